@@ -1,0 +1,64 @@
+"""Local-file loaders through `datasets`, with one clear line for a malformed record."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+
+class MalformedRecordError(ValueError):
+    pass
+
+
+def _check_jsonl(path: Path, field: str | None) -> None:
+    """`datasets` reports a bad JSON line without naming it; check first so the error names file and line."""
+    with path.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise MalformedRecordError(f"{path}:{lineno}: malformed JSON record ({err.msg}); fix or remove that line") from None
+            if field is not None and (not isinstance(rec, dict) or field not in rec):
+                raise MalformedRecordError(f"{path}:{lineno}: record has no field {field!r}; set data.text_field to the right key")
+
+
+def _kind(path: Path) -> str:
+    suffix = "".join(path.suffixes[-2:]) if path.suffix in {".gz", ".zst"} else path.suffix
+    if suffix.startswith((".jsonl", ".json")):
+        return "json"
+    if suffix.startswith(".parquet"):
+        return "parquet"
+    if suffix.startswith((".txt", ".text", ".md")):
+        return "text"
+    raise ValueError(f"{path}: unknown data file type {suffix!r}; use .txt, .jsonl/.json or .parquet")
+
+
+def load_local(files: str | Iterable[str], field: str | None = "text", split: str = "train"):
+    """A `datasets.Dataset` from local text / jsonl / parquet files (globs allowed), checked line by line."""
+    import glob
+
+    import datasets
+
+    patterns = [files] if isinstance(files, str) else list(files)
+    paths = [Path(p) for pat in patterns for p in sorted(glob.glob(str(Path(pat).expanduser())))]
+    if not paths:
+        raise FileNotFoundError(f"no data files match {patterns}: put your files there or set data.files=<path or glob>")
+    kinds = {_kind(p) for p in paths}
+    if len(kinds) > 1:
+        raise ValueError(f"data.files mixes file types {sorted(kinds)}; give one kind at a time")
+    kind = kinds.pop()
+    if kind == "json":
+        for p in paths:
+            if p.suffix == ".jsonl" or p.suffixes[-2:-1] == [".jsonl"]:
+                _check_jsonl(p, field)
+    ds = datasets.load_dataset(kind, data_files=[str(p) for p in paths], split=split)
+    if field is not None and field not in ds.column_names:
+        raise MalformedRecordError(f"{paths[0]}: no column {field!r} (have {ds.column_names}); set data.text_field")
+    return ds
+
+
+def local_documents(files, field: str = "text") -> list[str]:
+    ds = load_local(files, field=field)
+    return [t for t in ds[field] if isinstance(t, str) and t.strip()]

@@ -1,0 +1,62 @@
+"""Tokenizers: a byte-level BPE trained on a corpus and cached by (corpus, vocab size), or a model's own."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from datamodules.common.cache import cache_root
+
+EOS = "<|endoftext|>"
+PAD = "<|pad|>"
+
+
+def train_bpe(documents: list[str], vocab_size: int, out_dir: Path):
+    """Train a byte-level BPE with the `tokenizers` library and save it as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(documents, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, pad_token=PAD, unk_token=None)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(out_dir))
+    return fast
+
+
+def corpus_tokenizer(vocab_size: int = 2048, corpus: str = "embedded"):
+    """The BPE tokenizer of a corpus at a vocabulary size, trained once and then loaded from the cache."""
+    from transformers import PreTrainedTokenizerFast
+
+    from datamodules.common.corpus import corpus_key, embedded_documents
+
+    if corpus != "embedded":
+        raise ValueError(f"corpus={corpus!r}: only the 'embedded' corpus has a built-in tokenizer; "
+                         "for your own data set data.tokenizer.pretrained=<dir with a tokenizer>")
+    out_dir = cache_root() / "tokenizers" / f"{corpus}-{corpus_key()}-v{vocab_size}"
+    if (out_dir / "tokenizer.json").exists():
+        return PreTrainedTokenizerFast.from_pretrained(str(out_dir))
+    return train_bpe(embedded_documents(), vocab_size, out_dir)
+
+
+def load_tokenizer(pretrained: str | None = None, vocab_size: int = 2048, corpus: str = "embedded"):
+    """The tokenizer of a run: the pretrained model's own when there is one, else the corpus BPE.
+
+    ``pretrained`` takes the same values as ``backbone.pretrained``: a hub id, a local dir, or ``tiny-lm``.
+    """
+    if pretrained is None:
+        return corpus_tokenizer(vocab_size, corpus)
+    from transformers import AutoTokenizer
+
+    from lightning_modules.common.backbone import resolve_pretrained
+
+    tok = AutoTokenizer.from_pretrained(resolve_pretrained(pretrained))
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok

@@ -1,0 +1,149 @@
+"""Language-modelling data: documents → tokens → packed fixed-length sequences.
+
+Sources: the embedded corpus (``source: embedded``, no download) or local files (``source: files`` with
+``files:`` a path or glob of .txt / .jsonl / .parquet). Documents are split into train/val by document,
+tokenized once (cached by corpus, tokenizer and length), joined with EOS and cut into ``seq_len`` blocks.
+The training order comes from ``StepStreamSampler``: a function of seed and optimizer step, so resumed and
+paired runs see the same batches.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from datamodules.common.cache import cache_root, stable_hash
+from datamodules.common.sampling import StepStreamSampler
+
+
+class PackedTokens(Dataset):
+    """Fixed-length blocks over one flat token array (labels = inputs; the model shifts)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        self.tokens, self.seq_len = tokens, seq_len
+        self.n = len(tokens) // seq_len
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        x = torch.from_numpy(self.tokens[i * self.seq_len:(i + 1) * self.seq_len].astype(np.int64))
+        return {"input_ids": x, "labels": x.clone()}
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    vocab = sorted(tokenizer.get_vocab().items())
+    return hashlib.sha1(repr((vocab, tokenizer.eos_token)).encode()).hexdigest()[:16]
+
+
+def tokenize_documents(docs: list[str], tokenizer) -> np.ndarray:
+    """One flat array: each document's tokens followed by EOS."""
+    eos = tokenizer.eos_token_id
+    out = []
+    for i in range(0, len(docs), 256):
+        for ids in tokenizer(docs[i:i + 256], add_special_tokens=False)["input_ids"]:
+            out.extend(ids)
+            out.append(eos)
+    dtype = np.uint16 if len(tokenizer) < 2**16 else np.int32
+    return np.asarray(out, dtype=dtype)
+
+
+class TextDataModule(L.LightningDataModule):
+    def __init__(self, tokenizer, source: str = "embedded", files=None, text_field: str = "text",
+                 seq_len: int = 256, batch_size: int = 8, eval_batch_size: int | None = None,
+                 val_fraction: float = 0.05, max_val_sequences: int | None = 64, num_workers: int = 0, seed: int = 0):
+        super().__init__()
+        self.tokenizer = tokenizer
+        self.source, self.files, self.text_field = source, files, text_field
+        self.seq_len, self.batch_size = seq_len, batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.val_fraction, self.max_val_sequences = val_fraction, max_val_sequences
+        self.num_workers, self.seed = num_workers, seed
+        self.train_set = self.val_set = None
+
+    # --- documents and tokens --------------------------------------------------------------------
+    def documents(self) -> list[str]:
+        if self.source == "embedded":
+            from datamodules.common.corpus import embedded_documents
+
+            return embedded_documents()
+        if self.source == "files":
+            from datamodules.common.loaders import local_documents
+
+            return local_documents(self.files, self.text_field)
+        raise ValueError(f"data.source={self.source!r}: use 'embedded' or 'files' (with data.files=<path or glob>)")
+
+    def split_tokens(self) -> tuple[np.ndarray, np.ndarray]:
+        from datamodules.common.corpus import corpus_key, split_documents
+
+        src = corpus_key() if self.source == "embedded" else stable_hash(self.files, self.text_field,
+                                                                        [Path(f).stat().st_mtime for f in _expand(self.files)])
+        key = stable_hash(src, tokenizer_fingerprint(self.tokenizer), self.val_fraction)
+        path = cache_root() / "tokens" / f"{key}.npz"
+        if path.exists():
+            z = np.load(path)
+            return z["train"], z["val"]
+        train_docs, val_docs = split_documents(self.documents(), self.val_fraction)
+        train, val = tokenize_documents(train_docs, self.tokenizer), tokenize_documents(val_docs, self.tokenizer)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.stem + ".tmp.npz")
+        np.savez(tmp, train=train, val=val)
+        tmp.replace(path)
+        return train, val
+
+    def setup(self, stage: str | None = None):
+        if self.train_set is not None:
+            return
+        train, val = self.split_tokens()
+        self.train_set = PackedTokens(train, self.seq_len)
+        self.val_set = PackedTokens(val, self.seq_len)
+        if len(self.val_set) == 0:
+            raise ValueError(f"the validation split holds fewer than data.seq_len={self.seq_len} tokens; "
+                             "raise data.val_fraction or lower data.seq_len")
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    # --- loaders ---------------------------------------------------------------------------------
+    def _rank_world(self):
+        t = self._trainer if hasattr(self, "_trainer") else None
+        return (t.global_rank, t.world_size) if t is not None else (0, 1)
+
+    def train_dataloader(self):
+        trainer = self.trainer
+        rank, world = self._rank_world()
+        accum = trainer.accumulate_grad_batches if trainer is not None else 1
+        if trainer is not None and trainer.max_steps and trainer.max_steps > 0:
+            total = trainer.max_steps * accum * self.batch_size
+            start = trainer.global_step * accum * self.batch_size
+        else:  # epoch-based: one pass per epoch, no mid-epoch resume
+            total, start = len(self.train_set) // world, 0
+        sampler = StepStreamSampler(len(self.train_set), total, seed=self.seed, start=start, rank=rank, world_size=world)
+        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers,
+                          drop_last=True, persistent_workers=self.num_workers > 0)
+
+    def _eval_loader(self, dataset):
+        rank, world = self._rank_world()
+        n = len(dataset) if self.max_val_sequences is None else min(len(dataset), self.max_val_sequences)
+        n -= n % world  # equal shares, so a sum over ranks counts every sequence once
+        idx = list(range(rank, n, world))
+        return DataLoader(torch.utils.data.Subset(dataset, idx), batch_size=self.eval_batch_size, shuffle=False,
+                          num_workers=self.num_workers)
+
+    def val_dataloader(self):
+        return self._eval_loader(self.val_set)
+
+    def test_dataloader(self):
+        return self._eval_loader(self.val_set)
+
+
+def _expand(files) -> list[str]:
+    import glob
+
+    pats = [files] if isinstance(files, str) else list(files or [])
+    return sorted(p for pat in pats for p in glob.glob(str(Path(pat).expanduser())))

@@ -1,0 +1,106 @@
+"""Backbones at two scales from one spec.
+
+A backbone spec (``conf/backbone/*.yaml``) is plain data::
+
+    family: llama                  # transformers model_type
+    config: {hidden_size: 128, ...} # architecture numbers (kwargs of the transformers config class)
+    pretrained: null               # hub id, local dir, ``tiny-lm`` (the project's cached tiny model) or null
+    dtype: float32                 # bf16 at paper scale
+    attn_implementation: sdpa      # sdpa | eager | flash_attention_2
+    gradient_checkpointing: false
+
+``pretrained: null`` builds a randomly initialised model from ``config``; otherwise ``from_pretrained`` loads
+it, and ``config`` stays the record of the architecture (tests build it on the meta device and check the
+parameter count against the real model).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+TINY_LM = "tiny-lm"  # sentinel: the cached tiny pretrained model, trained on first use
+
+
+class PretrainedNotFoundError(FileNotFoundError):
+    pass
+
+
+def _dtype(name: str | None):
+    import torch
+
+    if name is None:
+        return None
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16"}
+    return getattr(torch, aliases.get(name, name))
+
+
+def resolve_pretrained(pretrained: str) -> str:
+    """A loadable location for ``pretrained``; raises one clear line when a local path is missing."""
+    if pretrained == TINY_LM:
+        from lightning_modules.common.tiny_pretrained import tiny_pretrained_dir
+
+        return str(tiny_pretrained_dir())
+    expanded = os.path.expanduser(pretrained)
+    if pretrained.startswith(("/", "./", "../", "~")) and not Path(expanded).exists():
+        raise PretrainedNotFoundError(
+            f"backbone.pretrained={pretrained!r} does not exist: put the checkpoint there, or pass "
+            "backbone.pretrained=<dir with config.json and weights> (a hub id works where the hub is reachable)")
+    return expanded
+
+
+def build_config(spec: Mapping[str, Any]):
+    """The transformers config of a spec, from its architecture numbers alone (no download)."""
+    from transformers import AutoConfig
+
+    kwargs = dict(spec.get("config") or {})
+    return AutoConfig.for_model(spec["family"], **kwargs)
+
+
+def build_backbone(spec: Mapping[str, Any], meta: bool = False):
+    """A causal LM from a spec: random init from ``config`` (or on the meta device), or ``from_pretrained``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = _dtype(spec.get("dtype"))
+    attn = spec.get("attn_implementation") or "sdpa"
+    pretrained = spec.get("pretrained")
+    if meta or not pretrained:
+        config = build_config(spec)
+        config._attn_implementation = attn
+        ctx = torch.device("meta") if meta else torch.device("cpu")
+        with ctx:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype) if dtype else AutoModelForCausalLM.from_config(config)
+    else:
+        location = resolve_pretrained(pretrained)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, attn_implementation=attn,
+                                                         trust_remote_code=bool(spec.get("trust_remote_code", False)))
+        except OSError as err:
+            raise PretrainedNotFoundError(
+                f"could not load backbone.pretrained={pretrained!r} ({err.__class__.__name__}): no hub here? "
+                "download it elsewhere and pass backbone.pretrained=<local dir>") from err
+    if spec.get("gradient_checkpointing"):
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    return model
+
+
+def count_parameters(model, non_embedding: bool = False) -> int:
+    """Parameters of a model; ``non_embedding`` leaves out token/position embeddings and an untied LM head,
+    as scaling-law papers count N."""
+    seen, total = set(), 0
+    skip = set()
+    if non_embedding:
+        for mod in (model.get_input_embeddings(), model.get_output_embeddings()):
+            if mod is not None:
+                skip.update(id(p) for p in mod.parameters())
+        for name, mod in model.named_modules():
+            if name.endswith(("wpe", "embed_positions")):
+                skip.update(id(p) for p in mod.parameters())
+    for p in model.parameters():
+        if id(p) in seen or id(p) in skip:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+    return total

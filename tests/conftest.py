@@ -1,0 +1,33 @@
+"""Shared test setup. Environment first: some of it is read when modules are imported."""
+import os
+import tempfile
+
+# Triton reads this when @triton.jit runs, so it must be set before any kernel module is imported.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+_wandb_tmp = tempfile.mkdtemp(prefix="paperlab-wandb-")
+for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+    os.environ.setdefault(var, _wandb_tmp)
+# DeepSpeed compiles its communication op once; keep it in the user cache, not the repo.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/paperlab/torch_extensions"))
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_lm_dir():
+    """The cached tiny pretrained model (trained once, ~90 s, on a fresh machine)."""
+    from lightning_modules.common.tiny_pretrained import tiny_pretrained_dir
+
+    return tiny_pretrained_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    from datamodules.common.tokenizer import corpus_tokenizer
+
+    return corpus_tokenizer(2048)

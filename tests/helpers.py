@@ -1,0 +1,46 @@
+"""Compose and run experiments in-process, as run.py would, with outputs under a temp dir."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, open_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+
+def experiments() -> list[str]:
+    return sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+
+
+def compose(experiment: str, overrides: list[str] = (), output_dir: str | Path | None = None) -> DictConfig:
+    """The config ``python run.py experiment=<name> <overrides>`` would run, with HydraConfig set."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    from lightning_modules.common.runner import register_resolvers
+
+    register_resolvers()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = hydra_compose("run", overrides=[f"experiment={experiment}", *overrides], return_hydra_config=True)
+    if output_dir is not None:
+        with open_dict(cfg):
+            cfg.paths.output_dir = str(output_dir)
+            cfg.hydra.runtime.output_dir = str(output_dir)
+    HydraConfig().set_config(cfg)
+    return cfg
+
+
+def run_experiment(experiment: str, tmp_path, overrides: list[str] = ("debug=smoke",), logger: str = "csv"):
+    """Run one experiment in-process; returns (optimized metric, metrics.json contents)."""
+    import json
+
+    from lightning_modules.common.runner import run
+
+    cfg = compose(experiment, [*overrides, f"logger={logger}", "callbacks.progress_bar=null"], output_dir=tmp_path)
+    value = run(cfg)
+    metrics = json.loads((Path(tmp_path) / "metrics.json").read_text())
+    return value, metrics
