@@ -1,0 +1,454 @@
+"""KV-cache presses: the one place in paperlab that reads and rewrites a transformers cache.
+
+The contract is kvpress's (NVIDIA), re-implemented for transformers 5.x (where the cache argument is ``cache``):
+
+- A press is a small dataclass used as a context manager around a model: ``with press(model): model(...)``.
+  It hooks every decoder layer's ``self_attn``; at **prefill only** (the layer's cache holds exactly the tokens of
+  this forward) it reads the post-RoPE cached keys/values (``cache.layers[i].keys``: batch x kv_heads x L x d),
+  calls ``compress`` and writes the shortened tensors back. Prefill attention itself sees the full context;
+  only later tokens (question, answer) see the compressed cache.
+- ``ScorerPress``: ``compression_ratio`` is the fraction of KV pairs *removed* (0 = identity); a subclass
+  implements ``score(module, hidden_states, keys, values, kwargs) -> (batch, kv_heads, L)`` (higher = keep) and
+  every head keeps its top ``int(L * (1 - compression_ratio))`` tokens. Kept tokens are stored in position order
+  (kvpress stores them in top-k order; attention is permutation-invariant over cached keys, so this is equivalent).
+- Scorers: ``ManifoldKV`` (Euclidean distance to the per-head key centroid; ``window_size`` int = WindowedManifoldKV),
+  ``KeyDiff``, ``KNorm``, ``SnapKV``, ``StreamingLLM``, ``Random``.
+- Wrappers take any scorer: ``AdaKV`` (head-adaptive budget inside a layer, evicted positions *masked* through a
+  masked attention function, cache length unchanged) and ``Block`` (KeyDiff's block-wise prefill: keep, append
+  the next block, rescore). ``build_press(spec)`` makes one from plain config data.
+- Every press records per layer the kept count per KV head (``press.kept``) so budgets and the retained fraction
+  can be logged (``press.summary()``).
+
+``prefill_and_answer`` is the kvpress pipeline: compress the context once, then for each question append it
+after compression (positions continue from the *uncompressed* context length), greedy-decode, and crop the cache
+back to the compressed context before the next question.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+MASKED_ATTENTION = "paperlab_press_masked"
+
+
+# --- helpers ------------------------------------------------------------------------------------------
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    return x if n_rep == 1 else x.repeat_interleave(n_rep, dim=1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def n_kept_of(length: int, compression_ratio: float) -> int:
+    return int(length * (1 - compression_ratio))
+
+
+def attention_layers(model) -> list[torch.nn.Module]:
+    """Every attention module that owns a cache layer (``self_attn`` with a ``layer_idx``)."""
+    layers = [m for n, m in model.named_modules() if n.endswith("self_attn") and hasattr(m, "layer_idx")]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no '*.self_attn' modules with a layer_idx: presses need a "
+                         "transformers decoder (llama, qwen3, mistral, ...)")
+    return layers
+
+
+def _gather(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    return x.gather(2, idx.unsqueeze(-1).expand(*idx.shape, x.shape[-1]))
+
+
+# --- base classes --------------------------------------------------------------------------------------
+@dataclass
+class Press:
+    """Base press: owns the hooks and the cache read/write; subclasses implement ``compress``."""
+
+    def __post_init__(self):
+        self.kept: dict[int, torch.Tensor] = {}     # layer -> kept tokens per KV head (batch 0)
+        self.lengths: dict[int, int] = {}           # layer -> context length L at compression
+
+    needs_mask = False
+
+    def compress(self, module, hidden_states, keys, values, kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    # -- mechanics
+    def _pre_hook(self, module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is None or cache.get_seq_length(module.layer_idx) == 0:
+            module.press_evicted = None  # a new prefill: forget the previous context's mask
+
+    def _hook(self, module, args, kwargs, output):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is None or hidden is None:
+            return output
+        layer = cache.layers[module.layer_idx]
+        if layer.keys is None or layer.keys.shape[-2] != hidden.shape[1]:
+            return output  # not a prefill: the cache held tokens before this forward
+        keys, values = self.compress(module, hidden, layer.keys, layer.values, kwargs)
+        layer.keys, layer.values = keys.contiguous(), values.contiguous()
+        evicted = getattr(module, "press_evicted", None)
+        kept = torch.full(keys.shape[:2], keys.shape[-2], device=keys.device)
+        if evicted is not None:
+            kept = kept - evicted.sum(-1)
+        self.kept[module.layer_idx] = kept[0].cpu()
+        self.lengths[module.layer_idx] = hidden.shape[1]
+        return output
+
+    @contextlib.contextmanager
+    def __call__(self, model):
+        self.kept, self.lengths = {}, {}
+        handles, config, previous = [], getattr(model, "config", None), None
+        try:
+            for m in attention_layers(model):
+                m.press_evicted = None
+                handles.append(m.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+                handles.append(m.register_forward_hook(self._hook, with_kwargs=True))
+            if self.needs_mask:
+                _register_masked_attention()
+                previous = config._attn_implementation
+                if previous == "eager" or previous == "flash_attention_2":
+                    pass  # the masked function is exact whatever the base implementation was
+                config._attn_implementation = MASKED_ATTENTION
+            yield self
+        finally:
+            for h in handles:
+                h.remove()
+            if previous is not None:
+                config._attn_implementation = previous
+            for m in attention_layers(model):
+                m.press_evicted = None
+
+    def summary(self) -> dict[str, Any]:
+        """Retained fraction and per-head budgets of the last compression (plain data, for results)."""
+        if not self.kept:
+            return {"kv_kept_fraction": 1.0, "kept_per_head": {}}
+        total = sum(int(k.sum()) for k in self.kept.values())
+        full = sum(self.lengths[i] * self.kept[i].numel() for i in self.kept)
+        return {"kv_kept_fraction": total / max(1, full),
+                "kept_per_head": {i: self.kept[i].tolist() for i in sorted(self.kept)}}
+
+
+@dataclass
+class ScorerPress(Press):
+    """Keep each head's top ``int(L (1 - compression_ratio))`` tokens by ``score`` (higher = keep)."""
+
+    compression_ratio: float = 0.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0.0 <= self.compression_ratio < 1.0:
+            raise ValueError(f"compression_ratio={self.compression_ratio}: it is the fraction removed, in [0, 1)")
+
+    def score(self, module, hidden_states, keys, values, kwargs) -> torch.Tensor:
+        raise NotImplementedError
+
+    def compress(self, module, hidden_states, keys, values, kwargs):
+        if self.compression_ratio == 0:
+            return keys, values
+        n_kept = n_kept_of(keys.shape[-2], self.compression_ratio)
+        scores = self.score(module, hidden_states, keys, values, kwargs)
+        idx = scores.topk(n_kept, dim=-1).indices.sort(dim=-1).values
+        return _gather(keys, idx), _gather(values, idx)
+
+
+# --- scorers -------------------------------------------------------------------------------------------
+@dataclass
+class ManifoldKV(ScorerPress):
+    """ManifoldKV (Datta et al., ICML 2026, arXiv 2602.08343): s_i = ||k_i - mu||_2, mu the mean of the raw keys
+    per (batch, KV head). ``window_size=None``: one global centroid; an int: WindowedManifoldKV, mu per consecutive
+    non-overlapping window of that many tokens (the last window may be shorter); the paper uses 4096."""
+
+    window_size: int | None = None
+
+    def score(self, module, hidden_states, keys, values, kwargs):
+        k = keys.float()
+        if self.window_size is None or self.window_size >= k.shape[-2]:
+            return (k - k.mean(dim=-2, keepdim=True)).norm(dim=-1)
+        if self.window_size <= 0:
+            raise ValueError(f"window_size={self.window_size}: use a positive int, or null for the global centroid")
+        parts = [(w - w.mean(dim=-2, keepdim=True)).norm(dim=-1) for w in k.split(self.window_size, dim=-2)]
+        return torch.cat(parts, dim=-1)
+
+
+@dataclass
+class KeyDiff(ScorerPress):
+    """KeyDiff (arXiv 2504.15364): s_i = -cos(k_i, mean_j k_j/||k_j||); evicts keys most similar to the anchor."""
+
+    def score(self, module, hidden_states, keys, values, kwargs):
+        k = F.normalize(keys.float(), dim=-1)
+        anchor = F.normalize(k.mean(dim=-2, keepdim=True), dim=-1)
+        return -(k * anchor).sum(-1)
+
+
+@dataclass
+class KNorm(ScorerPress):
+    """Knorm (Devoto et al., 2024): s_i = -||k_i|| (keeps low-norm keys)."""
+
+    def score(self, module, hidden_states, keys, values, kwargs):
+        return -keys.float().norm(dim=-1)
+
+
+@dataclass
+class Random(ScorerPress):
+    """Uniform random scores (seeded): the floor every method must beat."""
+
+    seed: int = 0
+
+    def score(self, module, hidden_states, keys, values, kwargs):
+        g = torch.Generator(device="cpu").manual_seed(self.seed + int(getattr(module, "layer_idx", 0)))
+        return torch.rand(keys.shape[:-1], generator=g).to(keys.device)
+
+
+@dataclass
+class StreamingLLM(ScorerPress):
+    """StreamingLLM (Xiao et al., 2024): keep the first ``n_sink`` tokens and the most recent rest of the budget."""
+
+    n_sink: int = 4
+
+    def score(self, module, hidden_states, keys, values, kwargs):
+        L = keys.shape[-2]
+        n_kept = n_kept_of(L, self.compression_ratio)
+        if n_kept < self.n_sink:
+            raise ValueError(f"StreamingLLM keeps {n_kept} tokens < n_sink={self.n_sink}: lower compression_ratio or n_sink")
+        scores = torch.ones(keys.shape[:-1], device=keys.device)
+        scores[..., self.n_sink: L - (n_kept - self.n_sink)] = 0.0
+        return scores
+
+
+@dataclass
+class SnapKV(ScorerPress):
+    """SnapKV (Li et al., 2024): attention of the last ``window_size`` queries to each key, averaged over the window,
+    avg-pooled over ``kernel_size`` positions and over the query heads of each KV group; the window itself is kept."""
+
+    window_size: int = 64
+    kernel_size: int = 5
+
+    def window_queries(self, module, hidden_states, w: int, kwargs) -> torch.Tensor:
+        B, head_dim = hidden_states.shape[0], module.head_dim
+        q = module.q_proj(hidden_states[:, -w:]).view(B, w, -1, head_dim)
+        if hasattr(module, "q_norm"):  # Qwen3
+            q = module.q_norm(q)
+        q = q.transpose(1, 2)
+        cos, sin = kwargs["position_embeddings"]
+        cos, sin = cos[:, -w:].unsqueeze(1), sin[:, -w:].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin
+
+    def score(self, module, hidden_states, keys, values, kwargs):
+        B, H, L, d = keys.shape
+        w = min(self.window_size, L - 1, hidden_states.shape[1])
+        if w <= 0:
+            return torch.ones(B, H, L, device=keys.device)
+        q = self.window_queries(module, hidden_states, w, kwargs).float()
+        n_rep = q.shape[1] // H
+        k = repeat_kv(keys.float(), n_rep)
+        logits = q @ k.transpose(-1, -2) * getattr(module, "scaling", d ** -0.5)  # B, Hq, w, L
+        future = torch.arange(L, device=keys.device)[None, :] > torch.arange(L - w, L, device=keys.device)[:, None]
+        attn = logits.masked_fill(future, float("-inf")).softmax(-1)[..., : L - w].mean(dim=-2)
+        attn = F.avg_pool1d(attn.flatten(0, 1), self.kernel_size, padding=self.kernel_size // 2, stride=1).view(B, -1, L - w)
+        scores = attn.view(B, H, n_rep, L - w).mean(2)
+        return F.pad(scores, (0, w), value=scores.max().item())
+
+
+# --- wrappers ------------------------------------------------------------------------------------------
+@dataclass
+class AdaKV(Press):
+    """Ada-KV (Feng et al., 2024) head-adaptive budget: each head first keeps its top ``int(n_kept * alpha_safeguard)``,
+    then the layer's remaining budget goes to the highest scores over all heads. Total kept per layer =
+    kv_heads * n_kept; evicted positions are masked in attention (cache length unchanged), as in kvpress."""
+
+    press: ScorerPress = None
+    alpha_safeguard: float = 0.20
+    needs_mask = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.press, ScorerPress):
+            raise ValueError("AdaKV wraps a scorer press (ManifoldKV, KeyDiff, KNorm, SnapKV, StreamingLLM, Random)")
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.press.compression_ratio
+
+    def compress(self, module, hidden_states, keys, values, kwargs):
+        if self.compression_ratio == 0:
+            return keys, values
+        B, H, L, _ = keys.shape
+        n_kept = n_kept_of(L, self.compression_ratio)
+        scores = self.press.score(module, hidden_states, keys, values, kwargs).float()
+        safe = scores.topk(int(n_kept * self.alpha_safeguard), dim=-1).indices
+        scores = scores.scatter(-1, safe, torch.finfo(scores.dtype).max)
+        pruned = scores.reshape(B, H * L).topk(H * (L - n_kept), dim=-1, largest=False).indices
+        evicted = torch.zeros(B, H * L, dtype=torch.bool, device=keys.device).scatter_(1, pruned, True)
+        module.press_evicted = evicted.view(B, H, L)
+        return keys, values
+
+
+@dataclass
+class Block(Press):
+    """Block-wise prefill (the KeyDiff paper's setting; kvpress ``BlockPress``): walk the context in blocks of
+    ``block_size``; score [kept tokens + next block] with the inner scorer and keep the top ``n_kept`` each time."""
+
+    press: ScorerPress = None
+    block_size: int = 128
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.press, ScorerPress):
+            raise ValueError("Block wraps a scorer press (ManifoldKV, KeyDiff, KNorm, SnapKV, StreamingLLM, Random)")
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.press.compression_ratio
+
+    def compress(self, module, hidden_states, keys, values, kwargs):
+        if self.compression_ratio == 0:
+            return keys, values
+        B, H, L, _ = keys.shape
+        n_kept = n_kept_of(L, self.compression_ratio)
+        kept = torch.empty(B, H, 0, dtype=torch.long, device=keys.device)
+        cos, sin = kwargs.get("position_embeddings", (None, None))
+        for start in range(0, L, self.block_size):
+            end = min(start + self.block_size, L)
+            block = torch.arange(start, end, device=keys.device).expand(B, H, -1)
+            idx = torch.cat([kept, block], dim=-1)
+            sub_kwargs = dict(kwargs)
+            if cos is not None:
+                sub_kwargs["position_embeddings"] = (cos[:, start:end], sin[:, start:end])
+            scores = self.press.score(module, hidden_states[:, start:end], _gather(keys, idx), _gather(values, idx), sub_kwargs)
+            top = scores.topk(min(n_kept, idx.shape[-1]), dim=-1).indices
+            kept = idx.gather(-1, top).sort(dim=-1).values
+        return _gather(keys, kept), _gather(values, kept)
+
+
+SCORERS = {"manifoldkv": ManifoldKV, "keydiff": KeyDiff, "knorm": KNorm, "snapkv": SnapKV,
+           "streaming": StreamingLLM, "random": Random}
+WRAPPERS = {"adakv": AdaKV, "block": Block}
+
+
+def build_press(name: str = "manifoldkv", compression_ratio: float = 0.0, wrapper: str | None = None,
+                **options) -> Press:
+    """A press from plain config data: ``name`` in SCORERS, ``wrapper`` in {None, adakv, block}; ``options`` are the
+    scorer's and wrapper's fields (window_size, n_sink, kernel_size, alpha_safeguard, block_size, ...); an option
+    that neither takes is an error. ``window_size`` is ManifoldKV's window, ``snap_window`` SnapKV's."""
+    if name not in SCORERS:
+        raise ValueError(f"press.name={name!r}: choose one of {', '.join(SCORERS)}")
+    if wrapper is not None and wrapper not in WRAPPERS:
+        raise ValueError(f"press.wrapper={wrapper!r}: choose one of {', '.join(WRAPPERS)} or null")
+    options = {k: v for k, v in options.items() if v is not None}
+    if name == "snapkv" and "snap_window" in options:
+        options["window_size"] = options.pop("snap_window")
+    options.pop("snap_window", None)
+    cls = SCORERS[name]
+    fields = set(cls.__dataclass_fields__)
+    wfields = set(WRAPPERS[wrapper].__dataclass_fields__) - {"press"} if wrapper else set()
+    unknown = set(options) - fields - wfields
+    if name != "manifoldkv" and "window_size" in unknown:
+        unknown.discard("window_size")  # the shared config carries ManifoldKV's window for every press
+        options.pop("window_size")
+    if unknown:
+        raise ValueError(f"press options {sorted(unknown)} do not apply to {name}" + (f"+{wrapper}" if wrapper else ""))
+    scorer = cls(compression_ratio=compression_ratio, **{k: v for k, v in options.items() if k in fields})
+    if wrapper is None:
+        return scorer
+    return WRAPPERS[wrapper](press=scorer, **{k: v for k, v in options.items() if k in wfields})
+
+
+# --- masked attention (AdaKV) --------------------------------------------------------------------------
+def masked_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """Attention that also hides the positions a press evicted (``module.press_evicted``: batch x kv_heads x L_ctx)."""
+    B, Hq, q_len, _ = query.shape
+    K = key.shape[-2]
+    n_rep = Hq // key.shape[1]
+    k, v = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
+    allowed = torch.ones(q_len, K, dtype=torch.bool, device=query.device).tril(K - q_len)[None, None]
+    if attention_mask is not None:
+        am = attention_mask[..., -K:]
+        allowed = allowed & (am if am.dtype == torch.bool else am == 0)
+    evicted = getattr(module, "press_evicted", None)
+    if evicted is not None:
+        ev = F.pad(evicted, (0, K - evicted.shape[-1]))
+        allowed = allowed & ~repeat_kv(ev, n_rep)[:, :, None, :]
+    out = F.scaled_dot_product_attention(query, k, v, attn_mask=allowed, dropout_p=dropout, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_masked_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(MASKED_ATTENTION, masked_attention)
+    AttentionMaskInterface.register(MASKED_ATTENTION, sdpa_mask)
+
+
+# --- the pipeline: compress the context once, answer several questions -----------------------------------
+def crop_cache(cache, length: int) -> None:
+    for layer in cache.layers:
+        if layer.keys is not None and layer.keys.shape[-2] > length:
+            layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
+
+
+@dataclass
+class PressOutput:
+    answers: list[list[int]]
+    answer_nll: list[float | None]
+    prefill_s: float
+    decode_s: float
+    summary: dict = field(default_factory=dict)
+
+
+@torch.no_grad()
+def prefill_and_answer(model, press: Press | None, context_ids: torch.Tensor, questions: list[torch.Tensor],
+                       max_new_tokens: int = 16, eos_token_id: int | None = None,
+                       gold: list[torch.Tensor | None] | None = None) -> PressOutput:
+    """Prefill ``context_ids`` (1 x L) under ``press``; for each question (1-D ids) append it after compression with
+    positions L, L+1, ... and greedy-decode; ``gold`` answers (1-D ids) also get a teacher-forced NLL per token."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    context_ids = context_ids.to(device).view(1, -1)
+    L = context_ids.shape[1]
+    cache = DynamicCache(config=model.config)
+    ctx = press(model) if press is not None else contextlib.nullcontext()
+    with ctx:
+        t0 = time.perf_counter()
+        model(input_ids=context_ids, cache=cache, use_cache=True)
+        prefill_s = time.perf_counter() - t0
+        summary = press.summary() if press is not None else {"kv_kept_fraction": 1.0, "kept_per_head": {}}
+        c_len = cache.get_seq_length()
+        answers, nlls, decode_s = [], [], 0.0
+        for qi, question in enumerate(questions):
+            t0 = time.perf_counter()
+            ids = question.to(device).view(1, -1)
+            pos = L
+            out_tokens = []
+            for _ in range(max_new_tokens):
+                positions = torch.arange(pos, pos + ids.shape[1], device=device)[None]
+                logits = model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True).logits[:, -1]
+                pos += ids.shape[1]
+                tok = int(logits.argmax(-1))
+                if eos_token_id is not None and tok == eos_token_id:
+                    break
+                out_tokens.append(tok)
+                ids = torch.tensor([[tok]], device=device)
+            crop_cache(cache, c_len)
+            decode_s += time.perf_counter() - t0
+            answers.append(out_tokens)
+            g = gold[qi] if gold is not None else None
+            if g is None or g.numel() == 0:
+                nlls.append(None)
+                continue
+            full = torch.cat([question.to(device).view(-1), g.to(device).view(-1)])[None]
+            positions = torch.arange(L, L + full.shape[1], device=device)[None]
+            logits = model(input_ids=full, position_ids=positions, cache=cache, use_cache=True).logits[0].float()
+            crop_cache(cache, c_len)
+            n_q = question.numel()
+            logp = logits[n_q - 1: -1].log_softmax(-1)
+            nlls.append(float(-logp.gather(-1, g.to(device).view(-1, 1)).mean()))
+    return PressOutput(answers, nlls, prefill_s, decode_s, summary)
