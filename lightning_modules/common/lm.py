@@ -149,7 +149,13 @@ class CausalLMModule(L.LightningModule):
     def configure_optimizers(self):
         if self.optimizer_factory is None:
             raise ValueError(f"{type(self).__name__} has no optimizer: set model.optimizer in the config")
-        optimizer = self.optimizer_factory(params=[g for g in self.param_groups() if g["params"]])
+        groups = [g for g in self.param_groups() if g["params"]]
+        # A factory that groups parameters by module (callbacks/llr.py) sets ``needs_module`` and gets the module too.
+        factory = self.optimizer_factory
+        if getattr(getattr(factory, "func", factory), "needs_module", False):
+            optimizer = factory(params=groups, module=self)
+        else:
+            optimizer = factory(params=groups)
         if self.scheduler_factory is None:
             return optimizer
         scheduler = self.scheduler_factory(optimizer=optimizer)
