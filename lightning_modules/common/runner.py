@@ -22,7 +22,29 @@ class ConfigError(ValueError):
 def register_resolvers() -> None:
     if not OmegaConf.has_resolver("run_dirname"):
         # The part of a run dir that comes from the command line's overrides; 'default' when there are none.
-        OmegaConf.register_new_resolver("run_dirname", lambda s: s if s else "default")
+        OmegaConf.register_new_resolver("run_dirname", run_dirname)
+
+
+def run_dirname(overrides: str, max_len: int = 160) -> str:
+    """A run dir name from ``hydra.job.override_dirname``: readable, deterministic, within a filename's limit.
+
+    Long override lists (a file name holds at most 255 bytes) keep their first part and end in a hash of the
+    whole, so the same command still finds the same dir and different commands never share one.
+    """
+    if not overrides:
+        return "default"
+    name = overrides.replace("/", "_")
+    if len(name.encode()) <= max_len:
+        return name
+    import hashlib
+
+    digest = hashlib.sha1(overrides.encode()).hexdigest()[:12]
+    return name.encode()[: max_len - 13].decode(errors="ignore") + "-" + digest
+
+
+def _strategy_target(cfg: DictConfig) -> str:
+    strategy = cfg.trainer.get("strategy")
+    return strategy.get("_target_", "") if isinstance(strategy, DictConfig) else str(strategy or "")
 
 
 def check_config(cfg: DictConfig) -> None:
@@ -30,8 +52,7 @@ def check_config(cfg: DictConfig) -> None:
     if cfg.get("task") not in TASKS:
         raise ConfigError(f"task={cfg.get('task')!r}: choose one of {', '.join(TASKS)}")
     tr = cfg.trainer
-    strategy = tr.get("strategy")
-    target = strategy.get("_target_", "") if isinstance(strategy, DictConfig) else str(strategy or "")
+    target = _strategy_target(cfg)
     devices = tr.get("devices", 1)
     n_dev = devices if isinstance(devices, int) else (len(devices) if not isinstance(devices, str) else -1)
     world = n_dev * int(tr.get("num_nodes", 1) or 1) if n_dev > 0 else -1
@@ -120,6 +141,10 @@ def _run(cfg: DictConfig):
     datamodule = instantiate(cfg.data, _convert_="all") if cfg.get("data") and "_target_" in cfg.data else None
     module = instantiate(cfg.model, _convert_="all")
     callbacks = _instantiate_dict(cfg.get("callbacks"), "callbacks")
+    if "DeepSpeed" in _strategy_target(cfg):  # transformers must know about ZeRO-3 while the backbone is built
+        from callbacks.deepspeed_hf import HFZero3Init
+
+        callbacks.append(HFZero3Init())
     loggers = _instantiate_dict(cfg.get("logger"), "logger")
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, _convert_="all")
     for lg in loggers:

@@ -1,0 +1,33 @@
+"""Tell transformers that DeepSpeed ZeRO-3 is on while the module builds its backbone.
+
+Lightning's DeepSpeedStrategy builds the model in ``configure_model`` inside ``deepspeed.zero.Init``, which
+partitions every parameter as it is created; transformers' weight init then indexes an empty shard and fails
+(``index 1 is out of bounds for dimension 0 with size 0``). With an ``HfDeepSpeedConfig`` alive, transformers
+skips that init and re-initialises each module with its parameters gathered (``initialize_weights_zero3``), and
+``from_pretrained`` loads straight into the partitions. ``run`` adds this callback whenever the strategy is
+DeepSpeed; it does nothing below stage 3.
+"""
+from __future__ import annotations
+
+import lightning as L
+
+
+class HFZero3Init(L.Callback):
+    def __init__(self) -> None:
+        self._hf_config = None  # transformers holds only a weakref: this keeps it alive for the run
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        strategy = trainer.strategy
+        if not getattr(strategy, "zero_stage_3", False):
+            return
+        from transformers.integrations.deepspeed import HfDeepSpeedConfig
+
+        strategy._init_config_if_needed()  # what model_sharded_context does next; idempotent
+        self._hf_config = HfDeepSpeedConfig(strategy.config)
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if self._hf_config is not None:
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+            unset_hf_deepspeed_config()
+            self._hf_config = None
