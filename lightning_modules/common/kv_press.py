@@ -113,8 +113,6 @@ class Press:
             if self.needs_mask:
                 _register_masked_attention()
                 previous = config._attn_implementation
-                if previous == "eager" or previous == "flash_attention_2":
-                    pass  # the masked function is exact whatever the base implementation was
                 config._attn_implementation = MASKED_ATTENTION
             yield self
         finally:
@@ -336,24 +334,26 @@ def build_press(name: str = "manifoldkv", compression_ratio: float = 0.0, wrappe
                 **options) -> Press:
     """A press from plain config data: ``name`` in SCORERS, ``wrapper`` in {None, adakv, block}; ``options`` are the
     scorer's and wrapper's fields (window_size, n_sink, kernel_size, alpha_safeguard, block_size, ...); an option
-    that neither takes is an error. ``window_size`` is ManifoldKV's window, ``snap_window`` SnapKV's."""
+    that no press takes is an error; options of other presses are ignored (one config carries them all).
+    ``window_size`` is ManifoldKV's window, ``snap_window`` SnapKV's."""
     if name not in SCORERS:
         raise ValueError(f"press.name={name!r}: choose one of {', '.join(SCORERS)}")
     if wrapper is not None and wrapper not in WRAPPERS:
         raise ValueError(f"press.wrapper={wrapper!r}: choose one of {', '.join(WRAPPERS)} or null")
     options = {k: v for k, v in options.items() if v is not None}
-    if name == "snapkv" and "snap_window" in options:
-        options["window_size"] = options.pop("snap_window")
-    options.pop("snap_window", None)
+    snap_window = options.pop("snap_window", None)
+    if name == "snapkv":  # SnapKV's observation window, not ManifoldKV's centroid window
+        options.pop("window_size", None)
+        if snap_window is not None:
+            options["window_size"] = snap_window
+    known = {f for c in (*SCORERS.values(), *WRAPPERS.values()) for f in c.__dataclass_fields__} - {"press"}
+    unknown = set(options) - known
+    if unknown:
+        raise ValueError(f"press options {sorted(unknown)} are not fields of any press; known: {sorted(known)}")
     cls = SCORERS[name]
     fields = set(cls.__dataclass_fields__)
     wfields = set(WRAPPERS[wrapper].__dataclass_fields__) - {"press"} if wrapper else set()
-    unknown = set(options) - fields - wfields
-    if name != "manifoldkv" and "window_size" in unknown:
-        unknown.discard("window_size")  # the shared config carries ManifoldKV's window for every press
-        options.pop("window_size")
-    if unknown:
-        raise ValueError(f"press options {sorted(unknown)} do not apply to {name}" + (f"+{wrapper}" if wrapper else ""))
+    # one shared config carries every press's options: each press takes its own and ignores the others'
     scorer = cls(compression_ratio=compression_ratio, **{k: v for k, v in options.items() if k in fields})
     if wrapper is None:
         return scorer
@@ -363,6 +363,11 @@ def build_press(name: str = "manifoldkv", compression_ratio: float = 0.0, wrappe
 # --- masked attention (AdaKV) --------------------------------------------------------------------------
 def masked_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """Attention that also hides the positions a press evicted (``module.press_evicted``: batch x kv_heads x L_ctx)."""
+    evicted = getattr(module, "press_evicted", None)
+    if evicted is None:  # nothing evicted in this layer yet (e.g. during prefill): plain sdpa
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     B, Hq, q_len, _ = query.shape
     K = key.shape[-2]
     n_rep = Hq // key.shape[1]
@@ -371,10 +376,8 @@ def masked_attention(module, query, key, value, attention_mask, dropout: float =
     if attention_mask is not None:
         am = attention_mask[..., -K:]
         allowed = allowed & (am if am.dtype == torch.bool else am == 0)
-    evicted = getattr(module, "press_evicted", None)
-    if evicted is not None:
-        ev = F.pad(evicted, (0, K - evicted.shape[-1]))
-        allowed = allowed & ~repeat_kv(ev, n_rep)[:, :, None, :]
+    ev = F.pad(evicted, (0, K - evicted.shape[-1]))
+    allowed = allowed & ~repeat_kv(ev, n_rep)[:, :, None, :]
     out = F.scaled_dot_product_attention(query, k, v, attn_mask=allowed, dropout_p=dropout, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
