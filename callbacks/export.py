@@ -1,9 +1,23 @@
-"""Export the trained backbone in transformers format (``save_pretrained``), with its tokenizer."""
+"""Export the trained backbone in transformers format (``save_pretrained``), with its tokenizer.
+
+Sharded strategies hold only a slice of each weight per rank; the full weights are gathered first, on every
+rank (a collective), and rank 0 writes them: ZeRO-3 through ``deepspeed.zero.GatheredParameters``, FSDP2
+(DTensor parameters) through ``get_model_state_dict(full_state_dict=True)``.
+"""
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import lightning as L
+
+
+def _is_dtensor_model(model) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 class ExportPretrained(L.Callback):
@@ -11,11 +25,23 @@ class ExportPretrained(L.Callback):
         self.dirpath = Path(dirpath)
 
     def on_train_end(self, trainer, pl_module):
+        model = getattr(pl_module, "export_model", lambda: pl_module.model)()
+        state_dict = None
+        gather = contextlib.nullcontext()
+        if getattr(trainer.strategy, "zero_stage_3", False):
+            import deepspeed
+
+            gather = deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None)
+        elif _is_dtensor_model(model):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        with gather:
+            if trainer.global_rank == 0:
+                self.dirpath.mkdir(parents=True, exist_ok=True)
+                model.save_pretrained(str(self.dirpath), state_dict=state_dict)
         if trainer.global_rank != 0:
             return
-        model = getattr(pl_module, "export_model", lambda: pl_module.model)()
-        self.dirpath.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(str(self.dirpath))
         dm = trainer.datamodule
         if dm is not None and getattr(dm, "tokenizer", None) is not None:
             dm.tokenizer.save_pretrained(str(self.dirpath))

@@ -68,8 +68,10 @@ class CausalLMModule(L.LightningModule):
             self.model = self.build_model()
         mesh = getattr(self, "device_mesh", None)
         if mesh is not None:  # FSDP2 through ModelParallelStrategy: shard each decoder layer, then the root
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import FSDPModule, fully_shard
 
+            if isinstance(self.model, FSDPModule):  # already sharded (test after fit calls this hook again)
+                return
             for layer in self.decoder_layers():
                 fully_shard(layer, mesh=mesh["data_parallel"] if "data_parallel" in mesh.mesh_dim_names else mesh)
             fully_shard(self.model, mesh=mesh["data_parallel"] if "data_parallel" in mesh.mesh_dim_names else mesh)
