@@ -20,6 +20,16 @@ def filler_text(tokenizer, n_tokens: int, filler: str = FILLER) -> str:
     return filler * max(0, n_tokens // per)
 
 
+def _sentences(text: str) -> list[str]:
+    """The sentences of a text split at ". ", without their final period; empty pieces dropped."""
+    return [s.strip().rstrip(".") for s in text.split(". ") if s.strip().rstrip(".")]
+
+
+def _join(sentences: list[str]) -> str:
+    """Sentences back into text, each closed by one period ("" for none)."""
+    return ". ".join(sentences) + "." if sentences else ""
+
+
 def _n_tokens(tokenizer, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -34,11 +44,10 @@ def passkey_sample(tokenizer, n_tokens: int, seed: int, depth: float | None = No
     budget = n_tokens - _n_tokens(tokenizer, INTRO + needle + question)
     if budget < 0:
         raise ValueError(f"n_tokens={n_tokens} is too short for the passkey prompt; use at least {n_tokens - budget}")
-    fill = filler_text(tokenizer, budget)
-    sentences = fill.split(". ")
+    sentences = _sentences(filler_text(tokenizer, budget))
     cut = int(len(sentences) * depth)
-    before, after = ". ".join(sentences[:cut]), ". ".join(sentences[cut:])
-    prompt = INTRO + (before + (". " if before else "")) + needle + after + question
+    before, after = _join(sentences[:cut]), _join(sentences[cut:])
+    prompt = INTRO + (before + " " if before else "") + needle + (after + " " if after else "") + question
     return {"prompt": prompt, "answer": key, "depth": depth, "n_tokens": _n_tokens(tokenizer, prompt)}
 
 
@@ -55,9 +64,9 @@ def needle_sample(tokenizer, n_tokens: int, seed: int, n_needles: int = 1, hayst
     if budget < 0:
         raise ValueError(f"n_tokens={n_tokens} is too short for {n_needles} needle(s)")
     hay = filler_text(tokenizer, budget) if haystack is None else haystack
-    sentences = hay.split(". ")
+    sentences = _sentences(hay)
     for nd in needles:
         sentences.insert(rng.randint(0, len(sentences)), nd.rstrip(". "))
-    prompt = ". ".join(sentences) + " " + question
+    prompt = _join(sentences) + " " + question
     return {"prompt": prompt, "answer": values[target], "key": words[target], "needles": dict(zip(words, values)),
             "n_tokens": _n_tokens(tokenizer, prompt)}
