@@ -108,7 +108,7 @@ def greedy_generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: in
 def normalize_answer(s: str) -> str:
     s = s.lower().strip()
     s = re.sub(r"[^\w\s.-]", " ", s)
-    return " ".join(s.split())
+    return " ".join(s.split()).strip(" .")  # a sentence's closing period is not part of the answer ("42." == "42")
 
 
 def exact_match(pred: str, gold: str) -> float:
