@@ -166,17 +166,20 @@ def _cwe(tokenizer, n_tokens: int, rng: random.Random, n_common: int = 10, freq_
             order = random.Random(k * 1000 + freq_c).sample(items, len(items))
             context = intro + " ".join(f"{i + 1}. {w}" for i, w in enumerate(order)) + "\n"
             sample = {"context": context, "question": question, "answer_prefix": answer_prefix, "outputs": common,
-                      "max_new_tokens": MAX_NEW_TOKENS["cwe"]}
+                      "max_new_tokens": MAX_NEW_TOKENS["cwe"], "n_rare": k}
             return sample, context + question + answer_prefix
         return build
 
-    # short contexts cannot hold 10 words x 30: lower the frequencies, common words always the more frequent
+    # short contexts cannot hold 10 words x 30: lower the frequencies (common words always the more frequent)
+    # until at least as many rare words as common ones fit
     for freq_c in range(freq_common, 1, -1):
         try:
-            return _fit(tokenizer, n_tokens, build_with(freq_c, min(freq_rare, freq_c - 1)), min(len(rare), n_tokens // 2))
+            sample = _fit(tokenizer, n_tokens, build_with(freq_c, min(freq_rare, freq_c - 1)), min(len(rare), n_tokens // 2))
         except ValueError:
             continue
-    raise ValueError(f"data.lengths: {n_tokens} tokens is too short for cwe ({n_common} words twice); "
+        if sample.pop("n_rare") >= n_common:
+            return sample
+    raise ValueError(f"data.lengths: {n_tokens} tokens is too short for cwe ({n_common} words twice, {n_common} once); "
                      "use longer lengths or leave cwe out of data.tasks")
 
 
@@ -209,7 +212,7 @@ def load_ruler_files(files, max_samples: int | None = None) -> list[dict]:
         refs = rec.get("answer", rec.get("outputs"))
         out.append({"task": rec["task"], "length": rec.get("length", 0) or 0, "context": rec["context"],
                     "question": rec["question"], "answer_prefix": rec.get("answer_prefix") or "",
-                    "outputs": [refs] if isinstance(refs, str) else list(refs),
+                    "outputs": [str(r) for r in refs] if isinstance(refs, (list, tuple)) else [str(refs)],
                     "max_new_tokens": rec.get("max_new_tokens") or 128})
         if max_samples and len(out) >= max_samples:
             break
