@@ -1,0 +1,175 @@
+"""The one place where paperlab patches transformers 5.x attention layers.
+
+A method that changes *how* a layer attends (HiCI, LongLoRA's S²-Attn, a sparse pattern, ...) writes one function
+
+    core(attn, hidden_states, q, k, v, attention_mask) -> (batch, seq, heads, head_dim)
+
+where ``attn`` is the layer's own attention module (so the core may call ``attn.k_proj`` etc., LoRA-wrapped or not),
+``hidden_states`` the layer's attention input, ``q``/``k``/``v`` the projected heads after the layer's q/k norms and
+RoPE, shapes (batch, heads, seq, head_dim) and (batch, kv_heads, seq, head_dim). ``patch_attention(model, core)``
+installs it on every attention layer; everything else (projections, norms, RoPE, the KV cache, ``o_proj``) stays the
+layer's own. Works for any layer with ``q_proj/k_proj/v_proj/o_proj`` and ``head_dim`` (LLaMA, Qwen3, Mistral, ...).
+
+- The core runs when there is no cache history (training, prefill); decoding steps with a non-empty cache fall back
+  to the layer's configured attention (sdpa/eager/flash), as HiCI's and LongLoRA's inference does.
+- ``attention_enabled(model, False)`` switches every patched layer back to standard attention (a context manager),
+  ``unpatch_attention(model)`` removes the patch, leaving a plain transformers model.
+- ``set_linear_rope_scaling(model, factor)``: linear position interpolation (Chen et al. 2023), rebuilt in place.
+
+If transformers changes its attention signature, this file is the one edit.
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+_PATCH_ATTR = "_paperlab_core"
+_ENABLED_ATTR = "_paperlab_core_enabled"
+
+
+def attention_modules(model) -> list[torch.nn.Module]:
+    """Every self-attention module of a (possibly peft-wrapped) causal LM, in layer order."""
+    out = []
+    for mod in model.modules():
+        if all(hasattr(mod, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj")) and hasattr(mod, "head_dim"):
+            out.append(mod)
+    if not out:
+        raise ValueError(f"{type(model).__name__} has no attention layer with q_proj/k_proj/v_proj/o_proj to patch")
+    return out
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as LLaMA/Qwen3 apply it; x (B, h, N, D), cos/sin (B, N, D)."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(B, kv_heads, N, D) → (B, kv_heads * n_rep, N, D), the GQA expansion."""
+    if n_rep == 1:
+        return x
+    b, h, n, d = x.shape
+    return x[:, :, None].expand(b, h, n_rep, n, d).reshape(b, h * n_rep, n, d)
+
+
+def project_qkv(attn, hidden_states: torch.Tensor, position_embeddings):
+    """The layer's q, k, v heads with its q/k norms (Qwen3) and RoPE, exactly as its own forward computes them."""
+    shape = (*hidden_states.shape[:-1], -1, attn.head_dim)
+    q = attn.q_proj(hidden_states).view(shape)
+    k = attn.k_proj(hidden_states).view(shape)
+    if getattr(attn, "q_norm", None) is not None:
+        q = attn.q_norm(q)
+    if getattr(attn, "k_norm", None) is not None:
+        k = attn.k_norm(k)
+    v = attn.v_proj(hidden_states).view(shape)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    cos, sin = position_embeddings
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def project_kv_no_rope(attn, x: torch.Tensor):
+    """Keys and values of extra tokens ``x`` (B, T, H) through the layer's k/v path (k_norm included), no RoPE:
+    (B, kv_heads, T, D) each. Slot/memory tokens of HiCI-like methods go through here."""
+    shape = (*x.shape[:-1], -1, attn.head_dim)
+    k = attn.k_proj(x).view(shape)
+    if getattr(attn, "k_norm", None) is not None:
+        k = attn.k_norm(k)
+    v = attn.v_proj(x).view(shape)
+    return k.transpose(1, 2), v.transpose(1, 2)
+
+
+def standard_attention(attn, q, k, v, attention_mask, **kwargs) -> torch.Tensor:
+    """The layer's configured attention (sdpa / eager / flash) → (B, N, heads, D)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    impl = attn.config._attn_implementation
+    if impl == "eager" or impl not in ALL_ATTENTION_FUNCTIONS:
+        kr, vr = repeat_kv(k, attn.num_key_value_groups), repeat_kv(v, attn.num_key_value_groups)
+        w = torch.matmul(q, kr.transpose(2, 3)) * attn.scaling
+        if attention_mask is not None:
+            w = w + attention_mask[:, :, :, : kr.shape[-2]]
+        w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(w, vr).transpose(1, 2)
+    fn = ALL_ATTENTION_FUNCTIONS[impl]
+    kw = {k_: v_ for k_, v_ in kwargs.items() if k_ not in ("position_ids", "use_cache", "output_attentions")}
+    if getattr(attn, "sliding_window", None) is not None:
+        kw["sliding_window"] = attn.sliding_window
+    out, _ = fn(attn, q, k, v, attention_mask, dropout=0.0, scaling=attn.scaling, **kw)
+    return out
+
+
+def _patched_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
+                     past_key_values=None, **kwargs):
+    cache = cache if cache is not None else past_key_values
+    input_shape = hidden_states.shape[:-1]
+    history = cache.get_seq_length(self.layer_idx) if cache is not None else 0
+    q, k, v = project_qkv(self, hidden_states, position_embeddings)
+    if cache is not None:
+        k, v = cache.update(k, v, self.layer_idx)
+    if getattr(self, _ENABLED_ATTR, True) and history == 0:
+        out = getattr(self, _PATCH_ATTR)(self, hidden_states, q, k, v, attention_mask)
+    else:
+        out = standard_attention(self, q, k, v, attention_mask, **kwargs)
+    out = out.reshape(*input_shape, -1).contiguous()
+    return self.o_proj(out), None
+
+
+def patch_attention(model, core: Callable) -> list[torch.nn.Module]:
+    """Install ``core`` on every attention layer (per instance; the class is untouched). Returns the layers."""
+    layers = attention_modules(model)
+    for attn in layers:
+        object.__setattr__(attn, _PATCH_ATTR, core)
+        attn.forward = types.MethodType(_patched_forward, attn)
+    return layers
+
+
+def unpatch_attention(model) -> None:
+    """Back to the layers' own forward: a plain transformers model again."""
+    for attn in attention_modules(model):
+        if _PATCH_ATTR in attn.__dict__:
+            del attn.__dict__[_PATCH_ATTR]
+            attn.__dict__.pop("forward", None)
+            attn.__dict__.pop(_ENABLED_ATTR, None)
+
+
+def is_patched(model) -> bool:
+    return any(_PATCH_ATTR in a.__dict__ for a in attention_modules(model))
+
+
+@contextlib.contextmanager
+def attention_enabled(model, enabled: bool):
+    """Temporarily run patched layers with (True) or without (False) their core."""
+    layers = [a for a in attention_modules(model) if _PATCH_ATTR in a.__dict__]
+    before = [a.__dict__.get(_ENABLED_ATTR, True) for a in layers]
+    for a in layers:
+        object.__setattr__(a, _ENABLED_ATTR, enabled)
+    try:
+        yield model
+    finally:
+        for a, b in zip(layers, before):
+            object.__setattr__(a, _ENABLED_ATTR, b)
+
+
+def set_linear_rope_scaling(model, factor: float) -> None:
+    """Linear RoPE position interpolation by ``factor`` (positions divided by it), written to the config so a saved
+    model reloads with it, and the rotary embedding rebuilt in place. ``factor <= 1`` leaves the model alone."""
+    if factor is None or factor <= 1:
+        return
+    config = model.config
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    params.update({"rope_type": "linear", "factor": float(factor)})
+    config.rope_parameters = params
+    for mod in list(model.modules()):
+        for name, child in list(mod.named_children()):
+            if name == "rotary_emb":
+                dev = child.inv_freq.device
+                new = type(child)(config=config)
+                setattr(mod, name, new.to(dev))
