@@ -142,3 +142,28 @@ def test_paper_scale_experiments_compose_with_the_papers_settings():
         assert list(cfg.data.lengths) == [4096, 8192, 16384]
         assert cfg.model.press.name == "manifoldkv" and cfg.model.press.compression_ratio == 0.2
         assert cfg.model.press.wrapper == "adakv" and cfg.model.press.alpha_safeguard == 0.2
+
+
+@pytest.mark.parametrize("sweep,experiment,n_jobs", [("manifoldkv_ruler", "manifoldkv_llama31_8b", 60),
+                                                     ("manifoldkv_multikey", "manifoldkv_qwen3_8b", 4),
+                                                     ("manifoldkv_64k", "manifoldkv_llama31_8b", 8),
+                                                     ("manifoldkv_tiny_grid", "manifoldkv_tiny", 24)])
+def test_sweeps_parse_and_every_job_composes_to_a_valid_press(sweep, experiment, n_jobs):
+    import itertools
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from lightning_modules.common.kv_press import build_press
+    from tests.helpers import compose
+
+    cfg = compose(experiment, [f"+sweep={sweep}"])
+    params = cfg.hydra.sweeper.params
+    parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
+    choices = [[f"{o.key_or_group}={v}" for v in o.sweep_string_iterator()] for o in parsed]
+    jobs = list(itertools.product(*choices))
+    assert len(jobs) == n_jobs
+    for job in (jobs[0], jobs[-1]):
+        job_cfg = compose(experiment, [f"+sweep={sweep}", *job])
+        press = dict(job_cfg.model.press)
+        build_press(**press)
+        assert all(int(n) > 0 for n in job_cfg.data.lengths)
