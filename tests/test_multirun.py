@@ -1,0 +1,44 @@
+"""``python run.py -m``: three jobs, one made to fail; the others finish with their own results, the failure is
+recorded in its metrics.json and named in the sweep's summary.json, and the process exits non-zero."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_multirun_one_failing_job(tmp_path):
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, "run.py", "-m", "experiment=lm_tiny", "debug=smoke", "task=fit", "trainer.max_steps=6",
+           "trainer.val_check_interval=3", "data.max_val_sequences=8", "callbacks.progress_bar=null",
+           "model.optimizer.lr=0.003,-1.0,0.002",  # a negative learning rate: AdamW refuses it at setup
+           f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode != 0, "a sweep with a failed job must exit non-zero"
+
+    summary = json.loads((sweep / "summary.json").read_text())
+    assert summary["failed"] == 1 and len(summary["jobs"]) == 3
+    by_lr = {next(o.split("=", 1)[1] for o in j["overrides"] if o.startswith("model.optimizer.lr=")): j
+             for j in summary["jobs"]}
+    assert set(by_lr) == {"0.003", "-1.0", "0.002"}
+    assert by_lr["-1.0"]["status"].startswith("failed") and "Invalid learning rate" in by_lr["-1.0"]["status"]
+    assert "model.optimizer.lr=-1.0" in proc.stdout  # the printed table names it too
+
+    dirs = {lr: Path(j["dir"]) for lr, j in by_lr.items()}
+    assert len(set(dirs.values())) == 3 and all(d.parent == sweep for d in dirs.values())
+    failed = json.loads((dirs["-1.0"] / "metrics.json").read_text())
+    assert failed["status"].startswith("failed: ValueError")
+    finals = {}
+    for lr in ("0.003", "0.002"):
+        m = json.loads((dirs[lr] / "metrics.json").read_text())
+        assert m["status"] == "ok" and m["global_step"] == 6
+        assert math.isfinite(m["final"]["val/loss"])
+        assert (dirs[lr] / "checkpoints" / "last.ckpt").exists()
+        finals[lr] = m["final"]["train/loss"]
+    assert finals["0.003"] != finals["0.002"]  # each job ran its own config, not a copy of another's
