@@ -167,3 +167,13 @@ def test_sweeps_parse_and_every_job_composes_to_a_valid_press(sweep, experiment,
         press = dict(job_cfg.model.press)
         build_press(**press)
         assert all(int(n) > 0 for n in job_cfg.data.lengths)
+
+
+def test_directional_collision_manifoldkv_keeps_more_needles_than_keydiff():
+    """The multi-key effect in miniature (benchmarks/kvcache.py): needles sharing the centroid direction with
+    different magnitudes; at 50% compression L2 keeps more of them and more of their queries' attention mass."""
+    from benchmarks.kvcache import main
+
+    out = main(["--trials", "3", "--n-keys", "1024", "--ratios", "0.5", "--time-keys", "4096", "--heads", "1"])
+    (m_needles, m_mass), (k_needles, k_mass) = out["table"][(0.5, "ManifoldKV")], out["table"][(0.5, "KeyDiff")]
+    assert m_needles >= k_needles + 0.5 and m_mass > k_mass + 0.3
