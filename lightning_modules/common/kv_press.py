@@ -371,14 +371,14 @@ def masked_attention(module, query, key, value, attention_mask, dropout: float =
     B, Hq, q_len, _ = query.shape
     K = key.shape[-2]
     n_rep = Hq // key.shape[1]
-    k, v = repeat_kv(key, n_rep), repeat_kv(value, n_rep)
     allowed = torch.ones(q_len, K, dtype=torch.bool, device=query.device).tril(K - q_len)[None, None]
     if attention_mask is not None:
         am = attention_mask[..., -K:]
         allowed = allowed & (am if am.dtype == torch.bool else am == 0)
     ev = F.pad(evicted, (0, K - evicted.shape[-1]))
     allowed = allowed & ~repeat_kv(ev, n_rep)[:, :, None, :]
-    out = F.scaled_dot_product_attention(query, k, v, attn_mask=allowed, dropout_p=dropout, scale=scaling)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, dropout_p=dropout, scale=scaling,
+                                         enable_gqa=n_rep > 1)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -421,7 +421,7 @@ def prefill_and_answer(model, press: Press | None, context_ids: torch.Tensor, qu
     ctx = press(model) if press is not None else contextlib.nullcontext()
     with ctx:
         t0 = time.perf_counter()
-        model(input_ids=context_ids, cache=cache, use_cache=True)
+        model(input_ids=context_ids, cache=cache, use_cache=True, logits_to_keep=1)
         prefill_s = time.perf_counter() - t0
         summary = press.summary() if press is not None else {"kv_kept_fraction": 1.0, "kept_per_head": {}}
         c_len = cache.get_seq_length()
@@ -433,7 +433,8 @@ def prefill_and_answer(model, press: Press | None, context_ids: torch.Tensor, qu
             out_tokens = []
             for _ in range(max_new_tokens):
                 positions = torch.arange(pos, pos + ids.shape[1], device=device)[None]
-                logits = model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True).logits[:, -1]
+                logits = model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True,
+                               logits_to_keep=1).logits[:, -1]
                 pos += ids.shape[1]
                 tok = int(logits.argmax(-1))
                 if eos_token_id is not None and tok == eos_token_id:
