@@ -1,0 +1,234 @@
+"""Fit a scaling law (``sweeps/laws.py``) to a collected sweep table, report it, plot it.
+
+The fit: rows whose target is ≤ 0 are dropped (and reported: a log law cannot hold them); a closed-form OLS
+start where the law has one; then a Huber loss on log residuals minimised by L-BFGS from that start and from the
+best ``top_k`` points of the law's init grid; the lowest objective wins. Parameters the data cannot identify
+(the exponent of an input with a single value) are frozen. Reported: the constants, R² of log target on the
+fitted rows, and the relative error on held-out corners (the rows at the largest N and D, left out of the fit).
+
+CLI (collects multirun dirs or reads a CSV; writes <out>.csv, <out>_fit.json, <out>_fit.md, <out>.png)::
+
+    python -m sweeps.fit logs/multirun/qat_law_tiny logs/multirun/qat_law_tiny_decomp --law qat_delta \\
+        --out sweeps/results/qat_law_tiny
+    python -m sweeps.fit table.csv --law chinchilla --where precision=fp
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from sweeps.laws import Law, get_law
+
+
+@dataclass
+class FitResult:
+    law: str
+    constants: dict[str, float]
+    theta: list[float]
+    r2_log: float
+    n_fit: int
+    dropped: list[dict] = field(default_factory=list)
+    heldout: list[dict] = field(default_factory=list)
+    heldout_rel_err: float | None = None
+    objective: float = float("nan")
+    frozen: dict[str, float] = field(default_factory=dict)
+
+
+def _huber(r: torch.Tensor, delta: float) -> torch.Tensor:
+    a = r.abs()
+    return torch.where(a <= delta, 0.5 * r ** 2, delta * (a - 0.5 * delta)).sum()
+
+
+def _minimise(law: Law, X: dict, logy: torch.Tensor, x0: np.ndarray, free: np.ndarray, delta: float):
+    from scipy.optimize import minimize
+
+    base = torch.as_tensor(x0, dtype=torch.float64)
+    idx = torch.as_tensor(np.flatnonzero(free))
+
+    def objective(z):
+        theta = base.clone()
+        zt = torch.as_tensor(z, dtype=torch.float64).requires_grad_(True)
+        theta = theta.index_put((idx,), zt)
+        loss = _huber(law.log_predict(theta, X) - logy, delta)
+        loss.backward()
+        return float(loss), zt.grad.numpy().copy()
+
+    res = minimize(objective, x0[free], jac=True, method="L-BFGS-B", options={"maxiter": 2000})
+    theta = x0.copy()
+    theta[free] = res.x
+    return theta, float(res.fun)
+
+
+def heldout_corner(df: pd.DataFrame, inputs=("N", "D")) -> np.ndarray:
+    """Rows at the largest value of every input in ``inputs`` (the extrapolation corner)."""
+    mask = np.ones(len(df), dtype=bool)
+    for col in inputs:
+        if col in df:
+            mask &= df[col].to_numpy() == df[col].max()
+    return mask
+
+
+def fit_law(law: Law | str, df: pd.DataFrame, huber_delta: float | None = None, holdout: np.ndarray | str | None = "corner",
+            top_k: int = 8) -> FitResult:
+    law = get_law(law) if isinstance(law, str) else law
+    missing = [c for c in (*law.inputs, law.target) if c not in df]
+    if missing:
+        raise ValueError(f"the table has no column(s) {missing} that law {law.name!r} needs")
+    df = df.dropna(subset=[*law.inputs, law.target]).reset_index(drop=True)
+    bad = df[law.target].to_numpy() <= 0
+    dropped = df[bad].to_dict("records")
+    df = df[~bad].reset_index(drop=True)
+    hold = np.zeros(len(df), dtype=bool)
+    if isinstance(holdout, str) and holdout == "corner":
+        hold = heldout_corner(df)
+    elif holdout is not None and not isinstance(holdout, str):
+        hold = np.asarray(holdout, dtype=bool)[~bad]
+    if (~hold).sum() < len(law.params) + 1:  # too few rows to hold any out
+        hold[:] = False
+    train = df[~hold]
+    if len(train) < len(law.params) - len(law.frozen({c: train[c].to_numpy() for c in law.inputs})) + 1:
+        raise ValueError(f"{law.name}: {len(train)} usable rows (target > 0) cannot fit {len(law.params)} parameters")
+    Xn = {c: train[c].to_numpy(dtype=np.float64) for c in law.inputs}
+    y = train[law.target].to_numpy(dtype=np.float64)
+    X = {c: torch.as_tensor(v) for c, v in Xn.items()}
+    logy = torch.log(torch.as_tensor(y))
+    delta = law.huber_delta if huber_delta is None else huber_delta
+
+    frozen = law.frozen(Xn)
+    free = np.array([p not in frozen for p in law.params])
+    starts = []
+    lin = law.linear_init(Xn, y)
+    if lin is not None:
+        starts.append(lin)
+    grid = law.init_grid()
+    with torch.no_grad():  # rank the grid by its objective and start L-BFGS from the best few
+        scores = [float(_huber(law.log_predict(torch.as_tensor(g), X) - logy, delta)) for g in grid]
+    starts += [grid[i] for i in np.argsort(scores)[:top_k]]
+    best = None
+    for x0 in starts:
+        x0 = np.asarray(x0, dtype=np.float64).copy()
+        for p, v in frozen.items():
+            x0[law.params.index(p)] = v
+        theta, obj = _minimise(law, X, logy, x0, free, delta)
+        if np.isfinite(obj) and (best is None or obj < best[1]):
+            best = (theta, obj)
+    theta, obj = best
+    pred = np.log(law.predict(theta, Xn))
+    ly = np.log(y)
+    ss_res, ss_tot = float(((ly - pred) ** 2).sum()), float(((ly - ly.mean()) ** 2).sum())
+    result = FitResult(law=law.name, constants=law.constants(theta), theta=[float(t) for t in theta],
+                       r2_log=1.0 - ss_res / ss_tot if ss_tot > 0 else float("nan"), n_fit=len(train),
+                       dropped=dropped, objective=obj, frozen=frozen)
+    if hold.any():
+        test = df[hold]
+        p = law.predict(theta, {c: test[c].to_numpy(dtype=np.float64) for c in law.inputs})
+        obs = test[law.target].to_numpy(dtype=np.float64)
+        rel = np.abs(p - obs) / np.abs(obs)
+        result.heldout = [{**{c: float(r[c]) for c in law.inputs}, "observed": float(o), "predicted": float(q),
+                           "rel_err": float(e)} for (_, r), o, q, e in zip(test.iterrows(), obs, p, rel)]
+        result.heldout_rel_err = float(rel.mean())
+    return result
+
+
+# --- the QAT-law report ------------------------------------------------------------------------------------
+def qat_report(table: pd.DataFrame, huber_delta: float | None = None) -> dict:
+    """δ fits per precision, the Chinchilla fit of the full-precision rows, and the paper's sign claims."""
+    out: dict = {"fits": {}, "skipped": {}, "claims": {}}
+    rows = table[table["precision"] != "fp"]
+    for prec, sub in rows.groupby("precision"):
+        try:
+            out["fits"][prec] = asdict(fit_law("qat_delta", sub.rename(columns={"group_size": "G"}), huber_delta))
+        except ValueError as err:
+            out["skipped"][prec] = str(err)
+    fp = table[table["precision"] == "fp"].drop_duplicates(subset=["N", "D", "seed"])
+    if fp["N"].nunique() >= 2 and fp["D"].nunique() >= 2 and len(fp) >= 6:
+        try:
+            out["fits"]["fp (chinchilla)"] = asdict(fit_law("chinchilla", fp, huber_delta))
+        except ValueError as err:
+            out["skipped"]["fp (chinchilla)"] = str(err)
+    else:
+        out["skipped"]["fp (chinchilla)"] = f"{len(fp)} full-precision cells: the Chinchilla part needs >= 6 over >= 2 N and 2 D"
+    fits = out["fits"]
+    if "w4a4" in fits:
+        c = fits["w4a4"]["constants"]
+        fr = fits["w4a4"]["frozen"]
+        for claim, param, sign in (("dδ/dN < 0", "gamma_N", 1), ("dδ/dD > 0", "gamma_D", 1), ("dδ/dG > 0", "gamma_G", 1)):
+            out["claims"][claim] = None if param in fr else bool(sign * c[param] > 0)
+    if "w4a16" in fits and "w16a4" in fits:
+        out["claims"]["γ_D(weight) > γ_D(activation)"] = bool(
+            fits["w4a16"]["constants"]["gamma_D"] > fits["w16a4"]["constants"]["gamma_D"])
+    a8 = table[table["precision"] == "w4a4_fc2a8"]
+    if len(a8):
+        keys = ["N", "D", "seed", "group_size"]
+        pair = a8.merge(table[table["precision"] == "w4a4"], on=keys, suffixes=("_a8", "_a4"))
+        if len(pair):
+            out["claims"]["FC2-A8 lowers the W4A4 error"] = bool((pair["delta_a8"] < pair["delta_a4"]).mean() > 0.5)
+            out["fc2a8_vs_w4a4_mean_delta"] = [float(pair["delta_a8"].mean()), float(pair["delta_a4"].mean())]
+    return out
+
+
+def markdown(report: dict) -> str:
+    lines = ["| fit | constants | R² (log) | rows | held-out rel. err | dropped (target ≤ 0) |", "|---|---|---|---|---|---|"]
+    for name, f in report["fits"].items():
+        consts = ", ".join(f"{k}={v:.4g}" for k, v in f["constants"].items() if not k.startswith("log_"))
+        if f["frozen"]:
+            consts += " (frozen: " + ", ".join(f["frozen"]) + ")"
+        held = "—" if f["heldout_rel_err"] is None else f"{100 * f['heldout_rel_err']:.1f}% ({len(f['heldout'])} rows)"
+        lines.append(f"| {name} | {consts} | {f['r2_log']:.3f} | {f['n_fit']} | {held} | {len(f['dropped'])} |")
+    for name, why in report["skipped"].items():
+        lines.append(f"| {name} | skipped: {why} | | | | |")
+    if report.get("claims"):
+        lines += ["", "| paper's claim | holds here |", "|---|---|"]
+        lines += [f"| {k} | {'n/a' if v is None else ('yes' if v else 'no')} |" for k, v in report["claims"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    from sweeps.collect import collect, qat_table
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("sources", nargs="+", help="multirun dirs (collected) or one CSV table")
+    ap.add_argument("--law", default="qat_delta", help="qat_delta (the QAT report) | chinchilla | any in sweeps/laws.py")
+    ap.add_argument("--where", action="append", default=[], help="column=value filters (repeatable)")
+    ap.add_argument("--huber-delta", type=float, default=None)
+    ap.add_argument("--out", default=None, help="output prefix: <out>.csv, <out>_fit.json, <out>_fit.md, <out>.png")
+    args = ap.parse_args(argv)
+
+    if len(args.sources) == 1 and args.sources[0].endswith(".csv"):
+        table, failures = pd.read_csv(args.sources[0]), []
+    else:
+        jobs, failures = collect(*args.sources)
+        table = qat_table(jobs) if args.law == "qat_delta" else pd.DataFrame([j["flat"] for j in jobs])
+    for cond in args.where:
+        col, val = cond.split("=", 1)
+        table = table[table[col].astype(str) == val]
+    for f in failures:
+        print(f"excluded failed job {f['dir']}: {f['status'][:200]}")
+    if args.law == "qat_delta":
+        report = qat_report(table, args.huber_delta)
+    else:
+        report = {"fits": {args.law: asdict(fit_law(args.law, table, args.huber_delta))}, "skipped": {}, "claims": {}}
+    report["failed_jobs"] = [{"dir": f["dir"], "status": f["status"]} for f in failures]
+    text = markdown(report)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        table.to_csv(out.with_name(out.name + ".csv"), index=False)
+        out.with_name(out.name + "_fit.json").write_text(json.dumps(report, indent=2, default=float))
+        out.with_name(out.name + "_fit.md").write_text(text)
+        from sweeps.plot import plot_report
+
+        plot_report(table, report, out.with_name(out.name + ".png"))
+        print(f"wrote {out}.csv, {out}_fit.json, {out}_fit.md, {out}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

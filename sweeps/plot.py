@@ -1,0 +1,89 @@
+"""Fitted law curves against the measured points (PNG; also to W&B when a wandb run is active).
+
+``plot_report(table, report, path)``: for the QAT report one panel per quantized precision (δ against D, log-log,
+one colour per N, one marker per G, the fitted law as lines through the measured D range) plus, when fitted,
+the full-precision loss against D with its Chinchilla curve. ``plot_law(ax, law, theta, ...)`` draws any law.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from sweeps.laws import get_law
+
+_MARKERS = "os^DvP*X"
+
+
+def _ax_law(ax, table: pd.DataFrame, fit: dict | None, law_name: str, target: str, series: tuple[str, ...]):
+    import matplotlib.pyplot as plt
+
+    law = get_law(law_name)
+    Ns = sorted(table["N"].unique())
+    colours = plt.cm.viridis(np.linspace(0, 0.9, max(1, len(Ns))))
+    others = [s for s in series if s != "N"]
+    groups = sorted(table[others[0]].unique()) if others else [None]
+    dgrid = np.geomspace(table["D"].min(), table["D"].max(), 50)
+    for i, n in enumerate(Ns):
+        for j, g in enumerate(groups):
+            sub = table[(table["N"] == n) & ((table[others[0]] == g) if others else True)]
+            if sub.empty:
+                continue
+            pos = sub[sub[target] > 0]
+            ax.scatter(pos["D"], pos[target], color=colours[i], marker=_MARKERS[j % len(_MARKERS)],
+                       label=f"N={n / 1e3:.0f}k" + (f", {others[0]}={g}" if others else ""))
+            if fit is not None:
+                X = {"N": np.full_like(dgrid, n), "D": dgrid}
+                if others:
+                    X[others[0]] = np.full_like(dgrid, g)
+                ax.plot(dgrid, law.predict(fit["theta"], X), color=colours[i], lw=1,
+                        ls=("-", "--", ":", "-.")[j % 4])
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("D (training tokens)")
+
+
+def plot_report(table: pd.DataFrame, report: dict, path, wandb_key: str = "qat_law/fit"):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    precisions = [p for p in sorted(table["precision"].unique()) if p != "fp"]
+    chin = report["fits"].get("fp (chinchilla)")
+    panels = len(precisions) + 1
+    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.8), squeeze=False)
+    for ax, prec in zip(axes[0], precisions):
+        sub = table[table["precision"] == prec].rename(columns={"group_size": "G"})
+        fit = report["fits"].get(prec)
+        _ax_law(ax, sub, fit, "qat_delta", "delta", ("N", "G"))
+        title = prec if fit is None else f"{prec}: γ_D={fit['constants']['gamma_D']:.2f} γ_G={fit['constants']['gamma_G']:.2f} γ_N={fit['constants']['gamma_N']:.2f}"
+        ax.set_title(title, fontsize=8)
+        ax.set_ylabel("δ = L_quant − L_fp")
+        ax.legend(fontsize=6)
+    fp = table[table["precision"] == "fp"].drop_duplicates(subset=["N", "D", "seed"])
+    _ax_law(axes[0][-1], fp, chin, "chinchilla", "loss", ("N",))
+    axes[0][-1].set_title("full precision" + (" + Chinchilla fit" if chin else " (too few cells to fit)"), fontsize=8)
+    axes[0][-1].set_ylabel("held-out loss")
+    axes[0][-1].legend(fontsize=6)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    log_to_wandb(fig, wandb_key)
+    plt.close(fig)
+    return path
+
+
+def log_to_wandb(fig, key: str) -> bool:
+    import sys
+
+    if "wandb" not in sys.modules:
+        return False
+    import wandb
+
+    if wandb.run is None:
+        return False
+    wandb.log({key: wandb.Image(fig)})
+    return True
