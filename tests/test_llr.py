@@ -1,0 +1,278 @@
+"""LLR (callbacks/llr.py): the estimator, the rate map, the groups, the ramped schedule, Muon, resume, tiny runs."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from callbacks.llr import (LLR, MuonWithAdamW, esd, hill_alpha, llr_optimizer, lr_ratios, module_alphas)
+from lightning_modules.common.lm import warmup_cosine
+
+
+# --- the estimator -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("alpha", [2.0, 3.0, 5.0])
+def test_hill_recovers_planted_power_law(alpha):
+    # density ∝ λ^(-α) on [1, ∞): numpy's pareto(a) is Lomax with density exponent a + 1, so a = α - 1, shifted by 1
+    lam = np.random.default_rng(int(alpha)).pareto(alpha - 1, 20_000) + 1.0
+    assert hill_alpha(lam) == pytest.approx(alpha, rel=0.02)
+
+
+def test_hill_formula_on_a_fixed_vector():
+    lam = [8.0, 1.0, 7.0, 3.0, 2.0, 6.0, 4.0, 5.0, 9.0]  # unsorted on purpose; N = 9, i = 4, xmin = 5, n = 5
+    expected = 1 + 5 / sum(math.log(x / 5.0) for x in (5.0, 6.0, 7.0, 8.0, 9.0))
+    assert hill_alpha(lam) == pytest.approx(expected, rel=1e-12)
+
+
+def test_gaussian_init_alpha_matches_spec():
+    g = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a 768-wide SVD: 0.3 s on one thread, but 20 s on two busy cores' OpenMP spin
+    try:
+        square = hill_alpha(esd(torch.randn(768, 768, generator=g) * 0.02))
+        tall = hill_alpha(esd(torch.randn(2048, 768, generator=g) * 0.02))
+    finally:
+        torch.set_num_threads(threads)
+    assert square == pytest.approx(2.12, abs=0.03)   # spec: ≈ 2.12 (attention matrices)
+    assert tall == pytest.approx(2.99, abs=0.03)     # spec: ≈ 2.99 (MLP matrices)
+    # no normalisation: scaling the weight does not move α
+    w = torch.randn(96, 64, generator=g, dtype=torch.float64)
+    assert hill_alpha(esd(w * 7.0, torch.float64)) == pytest.approx(hill_alpha(esd(w, torch.float64)), rel=1e-9)
+
+
+def planted(alpha: float, n: int = 64) -> torch.Tensor:
+    """A diagonal matrix whose eigenvalues give exactly ``alpha``: lower half 1, tail = xmin then equal values c."""
+    tail = n - n // 2
+    c = math.exp(tail / ((alpha - 1) * (tail - 1)))
+    lam = torch.tensor([1.0] * (n // 2) + [1.0] + [c] * (tail - 1), dtype=torch.float64)
+    return torch.diag(lam.sqrt())
+
+
+def test_rate_map_spec_example_and_edges():
+    weights = {"l.a": (planted(2.0), False), "l.b": (planted(3.0), False), "l.c": (planted(4.0), False),
+               "model.embed_tokens": (torch.randn(200, 64), True), "lm_head": (torch.randn(200, 64), True)}
+    alphas = module_alphas(weights, esd_dtype=torch.float64)
+    assert [alphas[k] for k in ("l.a", "l.b", "l.c")] == pytest.approx([2.0, 3.0, 4.0], rel=1e-9)
+    assert alphas["model.embed_tokens"] == alphas["lm_head"] == max(alphas["l.a"], alphas["l.b"], alphas["l.c"])
+    lrs = {k: 5e-4 * r for k, r in lr_ratios(alphas, 1.0, 5.0).items()}
+    assert [lrs[k] for k in ("l.a", "l.b", "l.c")] == pytest.approx([5e-4, 1.5e-3, 2.5e-3], rel=1e-9)
+    assert lrs["model.embed_tokens"] == pytest.approx(2.5e-3) and lrs["lm_head"] == pytest.approx(2.5e-3)
+    # a dropped layer (too few eigenvalues) keeps the base rate and does not set the range
+    alphas = module_alphas({**weights, "small": (torch.randn(40, 40), False)}, min_eigs=50, esd_dtype=torch.float64)
+    assert math.isnan(alphas["small"]) and lr_ratios(alphas)["small"] == 1.0
+
+
+# --- groups -------------------------------------------------------------------------------------------------
+def tiny_module(hidden=64, layers=2, optimizer="adamw"):
+    from functools import partial
+
+    from lightning_modules.common.lm import CausalLMModule
+
+    spec = {"family": "llama", "pretrained": None, "dtype": "float32", "attn_implementation": "sdpa",
+            "config": {"vocab_size": 256, "hidden_size": hidden, "intermediate_size": 2 * hidden,
+                       "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+                       "max_position_embeddings": 64, "tie_word_embeddings": False}}
+    module = CausalLMModule(spec, optimizer=partial(llr_optimizer, optimizer=optimizer, lr=1e-3), weight_decay=0.1)
+    module.configure_model()
+    return module
+
+
+def test_groups_one_per_linear_and_embedding_plus_untuned():
+    module = tiny_module()
+    opt = module.configure_optimizers()
+    tuned = [m for m in module.modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+    assert len(opt.param_groups) == len(tuned) + 1
+    untuned = [g for g in opt.param_groups if not g["llr_module"]]
+    assert len(untuned) == 1
+    norms = {id(p) for m in module.modules() if "RMSNorm" in type(m).__name__ for p in m.parameters()}
+    assert {id(p) for p in untuned[0]["params"]} == norms
+    seen = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert sorted(seen) == sorted(id(p) for p in module.parameters())  # every parameter exactly once
+    assert all(g["lr"] == g["llr_base_lr"] == 1e-3 and g["weight_decay"] == 0.1 for g in opt.param_groups)
+    assert {g["llr_module"] for g in opt.param_groups if g["llr_edge"]} == {"model.model.embed_tokens", "model.lm_head"}
+
+
+def test_muon_groups_are_the_hidden_matrices():
+    module = tiny_module(optimizer="muon")
+    opt = module.configure_optimizers()
+    assert isinstance(opt, MuonWithAdamW)
+    for g in opt.param_groups:
+        hidden = bool(g["llr_module"]) and not g["llr_edge"]
+        assert g["use_muon"] == hidden
+        assert g["llr_base_lr"] == (0.02 if hidden else 1e-3)
+
+
+def test_muon_with_adamw_matches_torch_optimizers_and_resumes():
+    torch.manual_seed(0)
+    shapes = [(32, 16), (16, 48), (16,), (50, 16)]
+    init = [torch.randn(s) for s in shapes]
+
+    def params():
+        return [nn.Parameter(t.clone()) for t in init]
+
+    def groups(ps):
+        return [{"params": [ps[0]], "use_muon": True, "lr": 0.02}, {"params": [ps[1]], "use_muon": True, "lr": 0.01},
+                {"params": [ps[2]], "use_muon": False, "lr": 1e-3}, {"params": [ps[3]], "use_muon": False, "lr": 3e-3}]
+
+    kw_m, kw_a = dict(lr=0.02, momentum=0.95, adjust_lr_fn="original", weight_decay=0.0), dict(lr=1e-3, betas=(0.9, 0.95))
+    grads = [[torch.randn(s) for s in shapes] for _ in range(5)]
+
+    def run(opt, ps, steps):
+        for gs in steps:
+            for p, g in zip(ps, gs):
+                p.grad = g.clone()
+            opt.step()
+
+    ours = params()
+    opt = MuonWithAdamW(groups(ours), muon=kw_m, adamw=kw_a)
+    run(opt, ours, grads)
+    ref = params()
+    ref_m = torch.optim.Muon([{"params": [ref[0]], "lr": 0.02}, {"params": [ref[1]], "lr": 0.01}], **kw_m)
+    ref_a = torch.optim.AdamW([{"params": [ref[2]], "lr": 1e-3}, {"params": [ref[3]], "lr": 3e-3}], **kw_a)
+    for gs in grads:
+        for p, g in zip(ref, gs):
+            p.grad = g.clone()
+        ref_m.step()
+        ref_a.step()
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # state_dict round trip mid-run: 3 steps, reload into a fresh optimizer, 2 more == 5 straight
+    resumed = params()
+    opt1 = MuonWithAdamW(groups(resumed), muon=kw_m, adamw=kw_a)
+    run(opt1, resumed, grads[:3])
+    state = opt1.state_dict()
+    fresh = [nn.Parameter(p.detach().clone()) for p in resumed]
+    opt2 = MuonWithAdamW(groups(fresh), muon=kw_m, adamw=kw_a)
+    opt2.load_state_dict(state)
+    run(opt2, fresh, grads[3:])
+    for a, b in zip(fresh, ours):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# --- the schedule ---------------------------------------------------------------------------------------------
+class Toy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(120, 64)
+        self.a = nn.Linear(64, 64, bias=False)
+        self.b = nn.Linear(64, 192, bias=False)
+        self.c = nn.Linear(192, 64, bias=False)
+        self.norm = nn.LayerNorm(64)
+        self.head = nn.Linear(64, 120, bias=False)
+
+    def forward(self, x):
+        h = self.norm(self.embed(x))
+        return self.head(self.a(h) + self.c(torch.relu(self.b(h))))
+
+
+def test_schedule_ramps_to_target_and_freezes_after_ratio():
+    torch.manual_seed(0)
+    model = Toy()
+    opt = llr_optimizer([{"params": list(model.parameters())}], model, lr=1e-3)
+    total, warm, every, L_ = 1000, 100, 100, 50
+    sched = warmup_cosine(opt, warm, total, 0.1)
+    cb = LLR(every=every, ramp_steps=L_, ratio=0.2, total_steps=total)
+    weights = {g["llr_module"]: (model.get_submodule(g["llr_module"]).weight, g["llr_edge"])
+               for g in opt.param_groups if g["llr_module"]}
+    lrs, initial, snapshots = [], [], {}
+    for k in range(total):
+        if k in (150, 500):  # plant a heavier tail in layer a: α moves at the next recompute (not after 20%)
+            with torch.no_grad():
+                model.a.weight[:, :3] *= 8.0
+        if cb.due(k, total):
+            cb.recompute(k, opt, sched, weights)
+            snapshots[k] = [g["initial_lr"] for g in opt.param_groups]
+        cb.apply_ramp(k, opt)
+        lrs.append([g["lr"] for g in opt.param_groups])
+        initial.append([g["initial_lr"] for g in opt.param_groups])
+        opt.step()  # no gradients: the weights move only where planted; the schedule is what is tested
+        sched.step()
+    lrs, initial = np.array(lrs), np.array(initial)
+    assert cb.recompute_steps == [1, 100, 200]            # step 1, then every 100 while step <= 0.2 * 1000
+    f = sched.lr_lambdas[0]
+    tuned = np.array([bool(g["llr_module"]) for g in opt.param_groups])
+    for k, new in snapshots.items():
+        new = np.array(new)
+        target = new * f(k + L_)
+        target[~tuned] = target[tuned].min()              # the untuned group ramps to the smallest target
+        np.testing.assert_allclose(lrs[k + L_], target, rtol=1e-12)
+        ramp = lrs[k:k + L_ + 1]
+        np.testing.assert_allclose(np.diff(ramp, 2, axis=0), 0.0, atol=1e-15)  # linear in t on s..s+L
+        np.testing.assert_allclose(ramp[-1], target, rtol=1e-12)
+        after = np.arange(k + L_ + 1, min(k + every - 1, total))
+        np.testing.assert_allclose(lrs[after], new[None] * np.array([f(t) for t in after])[:, None], rtol=1e-12)
+        np.testing.assert_allclose(new[~tuned], 1e-3)      # the untuned group returns to η·f
+    assert not np.allclose(snapshots[99], snapshots[199])  # the planted tail changed the rates at step 200
+    np.testing.assert_array_equal(initial[199:], np.broadcast_to(initial[199], initial[199:].shape))  # frozen
+    assert tuned.sum() == 5 and set(np.round(np.array(snapshots[0])[tuned] / 1e-3, 9)) >= {1.0, 5.0}
+
+
+def test_callback_refuses_a_plain_optimizer():
+    from types import SimpleNamespace
+
+    opt = torch.optim.AdamW(nn.Linear(4, 4).parameters())
+    trainer = SimpleNamespace(optimizers=[opt], max_steps=10, lr_scheduler_configs=[])
+    with pytest.raises(ValueError, match="callbacks.llr.llr_optimizer"):
+        LLR().on_fit_start(trainer, None)
+
+
+# --- end to end --------------------------------------------------------------------------------------------
+def _groups(ckpt):
+    return [g["lr"] for g in ckpt["optimizer_states"][0]["param_groups"]]
+
+
+def test_llr_tiny_smoke_and_exact_resume(tmp_path):
+    """llr_tiny trains (debug=smoke), its checkpoints load with weights_only, and a run resumed from a step-9
+    checkpoint (mid-ramp, with recomputes still to come) ends with exactly the rates of the straight run."""
+    from tests.helpers import run_experiment
+
+    common = ["debug=smoke", "callbacks.llr.every=4", "callbacks.llr.ramp_steps=3", "callbacks.llr.ratio=0.8"]
+    mid = ["+callbacks.mid._target_=lightning.pytorch.callbacks.ModelCheckpoint", f"+callbacks.mid.dirpath={tmp_path}/mid",
+           "+callbacks.mid.every_n_train_steps=9", "+callbacks.mid.save_top_k=-1", "+callbacks.mid.filename=s{step}"]
+    value, metrics = run_experiment("llr_tiny", tmp_path / "a", [*common, *mid])
+    assert metrics["status"] == "ok" and metrics["global_step"] == 20 and math.isfinite(value)
+    assert metrics["final"]["train/loss"] < math.log(2048) - 0.5
+    assert metrics["results"]["llr"]["recompute_steps"] == [1, 4, 8, 12, 16]
+    straight = torch.load(tmp_path / "a" / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
+    rates = _groups(straight)
+    assert max(rates[:-1]) / min(rates[:-1]) > 2.0       # the tuned groups really got different rates
+    step9 = tmp_path / "mid" / "s9.ckpt"
+    mid_state = torch.load(step9, weights_only=True, map_location="cpu")
+    assert mid_state["global_step"] == 9
+    _, resumed_metrics = run_experiment("llr_tiny", tmp_path / "b", [*common, f"ckpt_path={step9}"])
+    assert resumed_metrics["global_step"] == 20
+    resumed = torch.load(tmp_path / "b" / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
+    assert _groups(resumed) == rates
+    assert resumed["lr_schedulers"][0]["base_lrs"] == straight["lr_schedulers"][0]["base_lrs"]
+    assert resumed["callbacks"]["LLR"] == straight["callbacks"]["LLR"]
+
+
+def test_uniform_tiny_smoke_keeps_one_rate(tmp_path):
+    from tests.helpers import run_experiment
+
+    value, metrics = run_experiment("uniform_tiny", tmp_path)
+    assert metrics["status"] == "ok" and math.isfinite(value)
+    assert metrics["final"]["train/loss"] < math.log(2048) - 0.5
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
+    assert len(set(_groups(ckpt))) == 1 and len(ckpt["optimizer_states"][0]["param_groups"]) == 4 * 7 + 3
+
+
+# --- paper-scale configs as data ------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,steps,warmup,lr,opt", [
+    ("llr_llama_60m", 3200, 320, 1e-3, "adamw"), ("llr_llama_130m", 5200, 520, 1e-3, "adamw"),
+    ("llr_llama_350m", 13600, 1360, 1e-3, "adamw"), ("llr_llama_1b", 40000, 4000, 5e-4, "adamw"),
+    ("llr_llama_1b_muon", 40000, 4000, 5e-4, "muon")])
+def test_paper_scale_configs_follow_the_spec(name, steps, warmup, lr, opt, tmp_path):
+    from tests.helpers import compose
+
+    cfg = compose(name, [], output_dir=tmp_path)
+    t = cfg.trainer
+    assert t.devices * cfg.data.batch_size * t.accumulate_grad_batches == 512 and cfg.data.seq_len == 1024
+    assert (t.max_steps, cfg.model.scheduler.warmup_steps, cfg.model.scheduler.min_ratio) == (steps, warmup, 0.1)
+    assert (cfg.model.optimizer.lr, cfg.model.optimizer.optimizer, cfg.model.optimizer.weight_decay) == (lr, opt, 0.1)
+    assert list(cfg.model.optimizer.betas) == [0.9, 0.95] and t.gradient_clip_val is None
+    llr = cfg.callbacks.llr
+    assert (llr.every, llr.ramp_steps, llr.ratio, llr.r_min, llr.r_max) == (100, 50, 0.2, 1.0, 5.0)
+    assert cfg.backbone.config.vocab_size == 32000
