@@ -1,0 +1,204 @@
+"""The critic-free RL LightningModule (GRPO / Dr.GRPO / RLOO), with manual optimisation.
+
+One ``training_step`` = one batch of prompts:
+
+1. **rollout**: G samples per prompt from the current weights, which are the frozen old policy π_old of this
+   step (``generate_rollouts``; no gradient); exact-match rewards (``rewards.py``); group advantages
+   (``advantages.py``: ``grpo``, ``dr_grpo``, ``rloo``).
+2. **plan**: per PPO epoch, per trajectory, how many response tokens to backpropagate and the per-token weights
+   (hook :meth:`token_weights`; here every token with weight 1 — PS-PPO overrides it). Log-probs of π_old
+   (and π_ref when ``beta > 0``) are recorded once, no-grad, over the longest prefix any epoch needs.
+3. **update**: ``ppo_epochs`` passes over ``minibatches`` shuffled minibatches, one optimizer step each. A
+   minibatch is split into micro-batches of ``micro_batch_size`` rows sorted by kept length, each fed only its
+   longest kept prefix (gradient accumulation; the loss's divisor is fixed per minibatch so this is exact).
+   Loss: PPO-clip with ``eps_low``/``eps_high`` (+ ``beta`` · k3 KL to π_ref), aggregated as ``aggregation``
+   (``seq_mean`` | ``token_mean`` | ``dr_grpo``, divisors counting full untruncated tokens; ``losses.py``).
+
+``trainer.max_steps`` counts optimizer steps (ppo_epochs · minibatches per batch of prompts). Validation and
+test: greedy decoding on held-out prompts, ``val/accuracy`` (exact match). ``warmup`` (a dict, optional) starts
+from a cached supervised warm-up on the task format (``warmup.py``). Logged per step: reward, accuracy, response
+length, KL (to π_old, and to π_ref when beta > 0), clip fraction, tokens backpropagated vs full, max weight,
+gradient norm.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Mapping
+
+import torch
+
+from lightning_modules.common.lm import CausalLMModule, _plain
+from lightning_modules.common.rl.advantages import compute_advantages
+from lightning_modules.common.rl.losses import AGGREGATIONS, divisors, k3_kl, policy_loss
+from lightning_modules.common.rl.rewards import exact_match_reward
+from lightning_modules.common.rl.rollouts import Rollouts, batched_logprobs, generate_rollouts, response_logprobs
+
+
+class RLModule(CausalLMModule):
+    def __init__(self, backbone: Mapping[str, Any], optimizer: Callable | None = None, scheduler: Callable | None = None,
+                 weight_decay: float = 0.0, advantage: str = "grpo", aggregation: str = "seq_mean", group_size: int = 8,
+                 max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0, ppo_epochs: int = 1,
+                 minibatches: int = 1, micro_batch_size: int = 8, eps_low: float = 0.2, eps_high: float = 0.2,
+                 beta: float = 0.0, max_grad_norm: float | None = 1.0, warmup: Mapping[str, Any] | None = None,
+                 val_max_new_tokens: int | None = None):
+        super().__init__(backbone, optimizer, scheduler, weight_decay)
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"model.aggregation={aggregation!r}: choose one of {', '.join(AGGREGATIONS)}")
+        if advantage == "rloo" and group_size < 2:
+            raise ValueError("model.advantage=rloo needs model.group_size >= 2")
+        self.automatic_optimization = False
+        self.advantage, self.aggregation, self.group_size = advantage, aggregation, group_size
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.ppo_epochs, self.minibatches, self.micro_batch_size = ppo_epochs, minibatches, micro_batch_size
+        self.eps_low, self.eps_high, self.beta, self.max_grad_norm = eps_low, eps_high, beta, max_grad_norm
+        self.warmup = _plain(warmup) if warmup else None
+        self.val_max_new_tokens = val_max_new_tokens or max_new_tokens
+        self.hparams["warmup"] = self.warmup
+        self.tokenizer = None
+        self._ref = None  # π_ref, kept out of the module tree: not trained, not checkpointed
+        self._eval = None
+
+    # --- model -----------------------------------------------------------------------------------
+    def build_model(self):
+        if self.warmup:
+            from lightning_modules.common.backbone import build_backbone
+            from lightning_modules.common.rl.warmup import warmup_dir
+
+            return build_backbone({**self.backbone_spec, "pretrained": str(warmup_dir(self.backbone_spec, self.warmup))})
+        return super().build_model()
+
+    def reference(self):
+        if self.beta and self._ref is None:
+            self._ref = copy.deepcopy(self.model).eval().requires_grad_(False)
+        if self._ref is not None:
+            self._ref.to(self.device)
+        return self._ref
+
+    def get_tokenizer(self):
+        if self.tokenizer is None:
+            dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+            if dm is None or not hasattr(dm, "tokenizer"):
+                raise ValueError("the RL module needs a tokenizer: use a datamodule with .tokenizer (data=verifiable)")
+            self.tokenizer = dm.tokenizer
+        return self.tokenizer
+
+    # --- the one hook a method changes -----------------------------------------------------------
+    def token_weights(self, ro: Rollouts, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Kept response tokens per trajectory (N,) and per-token weights (N, T); full trajectories here."""
+        return ro.lengths, ro.response_mask.clone()
+
+    # --- one RL step -----------------------------------------------------------------------------
+    def score(self, ro: Rollouts, answers: list[str]) -> torch.Tensor:
+        golds = [a for a in answers for _ in range(ro.group_size)]
+        return torch.tensor([exact_match_reward(c, g) for c, g in zip(ro.completions, golds)], device=ro.input_ids.device)
+
+    def rollout(self, batch) -> Rollouts:
+        tok = self.get_tokenizer()
+        ro = generate_rollouts(self.model, batch["prompt_ids"], self.group_size, self.max_new_tokens, tok.eos_token_id,
+                               tok.pad_token_id, self.temperature, self.top_p, tokenizer=tok)
+        ro.rewards = self.score(ro, batch["answer"])
+        ro.advantages = compute_advantages(self.advantage, ro.rewards, self.group_size)
+        return ro
+
+    def update(self, ro: Rollouts, plans: list[tuple[torch.Tensor, torch.Tensor]], step_fn=None) -> dict[str, float]:
+        """PPO epochs over minibatches; ``plans[e] = (kept, weights)``. Returns summed statistics."""
+        need = torch.stack([k for k, _ in plans]).max(0).values
+        logp_old = batched_logprobs(self.model, ro, need, self.micro_batch_size, self.temperature)
+        ref = self.reference()
+        logp_ref = batched_logprobs(ref, ro, need, self.micro_batch_size, self.temperature) if ref is not None else None
+        N, lengths = len(ro), ro.lengths
+        stats = {k: 0.0 for k in ("loss", "clipped", "kept", "kl_ref", "kl_old", "grad_norm", "steps")}
+        gen = torch.Generator().manual_seed(int(self.global_step) * 7 + 1)
+        for epoch in range(self.ppo_epochs):
+            kept, weights = plans[epoch]
+            for mb in torch.randperm(N, generator=gen).to(ro.input_ids.device).chunk(self.minibatches):
+                div = divisors(self.aggregation, lengths[mb], self.max_new_tokens)
+                total = 0.0
+                order = torch.argsort(kept[mb], stable=True)
+                for part in torch.split(order, self.micro_batch_size):
+                    rows, d = mb[part], div[part]
+                    n = int(kept[rows].max())
+                    if n == 0:
+                        continue
+                    logp = response_logprobs(self.model, ro.input_ids[rows], ro.attention_mask[rows], ro.prompt_len, n,
+                                             self.temperature)
+                    w = weights[rows, :n]
+                    loss, st = policy_loss(logp, logp_old[rows, :n], ro.advantages[rows], w, d,
+                                           logp_ref[rows, :n] if logp_ref is not None else None, self.beta,
+                                           self.eps_low, self.eps_high)
+                    self.manual_backward(loss)
+                    total += float(loss.detach())
+                    stats["clipped"] += float(st["clipped"])
+                    stats["kept"] += float(st["kept"])
+                    stats["kl_ref"] += float(st.get("kl", 0.0))
+                    with torch.no_grad():
+                        stats["kl_old"] += float((k3_kl(logp, logp_old[rows, :n]) * (w > 0)).sum())
+                stats["loss"] += total
+                stats["grad_norm"] += self._step()
+                stats["steps"] += 1
+        return stats
+
+    def _step(self) -> float:
+        opt = self.optimizers()
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or float("inf")) if params else torch.zeros(())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sch = self.lr_schedulers()
+        if sch is not None:
+            sch.step()
+        return float(norm)
+
+    def training_step(self, batch, batch_idx):
+        ro = self.rollout(batch)
+        plans = [self.token_weights(ro, e) for e in range(self.ppo_epochs)]
+        st = self.update(ro, plans)
+        steps = max(1.0, st["steps"])
+        kept_tokens = sum(float(k.sum()) for k, _ in plans)
+        full_tokens = float(ro.lengths.sum()) * self.ppo_epochs
+        max_w = max(float(w.max()) for _, w in plans)
+        log = {"train/loss": st["loss"] / steps, "train/reward": float(ro.rewards.mean()),
+               "train/accuracy": float((ro.rewards > 0.5).float().mean()),
+               "train/response_length": float(ro.lengths.float().mean()),
+               "train/clip_frac": st["clipped"] / max(1.0, st["kept"]),
+               "train/kl_old": st["kl_old"] / max(1.0, st["kept"]),
+               "train/grad_norm": st["grad_norm"] / steps,
+               "train/tokens_backprop": kept_tokens, "train/tokens_full": full_tokens,
+               "train/tokens_ratio": kept_tokens / max(1.0, full_tokens),
+               "train/prompt_tokens": float(ro.prompt_lengths.sum()) * self.ppo_epochs,
+               "train/max_weight": max_w}
+        if self.beta:
+            log["train/kl_ref"] = st["kl_ref"] / max(1.0, st["kept"])
+        self.log_dict(log, on_step=True, on_epoch=False, prog_bar=False, batch_size=len(ro))
+        self.log("train/reward_step", log["train/reward"], prog_bar=True, on_step=True, on_epoch=False, batch_size=len(ro))
+        return {"loss": torch.tensor(log["train/loss"])}
+
+    # --- evaluation: greedy exact match ------------------------------------------------------------
+    def on_validation_epoch_start(self):
+        self._eval = torch.zeros(2, dtype=torch.float64, device=self.device)
+
+    @torch.no_grad()
+    def validation_step(self, batch, batch_idx):
+        tok = self.get_tokenizer()
+        ro = generate_rollouts(self.model, batch["prompt_ids"], 1, self.val_max_new_tokens, tok.eos_token_id,
+                               tok.pad_token_id, temperature=0.0, tokenizer=tok)
+        r = self.score(ro, batch["answer"])
+        self._eval += torch.tensor([float(r.sum()), float(len(r))], dtype=torch.float64, device=self.device)
+
+    def _eval_end(self, prefix: str):
+        tot = self._eval
+        if self.trainer.world_size > 1:
+            tot = self.trainer.strategy.reduce(tot, reduce_op="sum")
+        self.log(f"{prefix}/accuracy", (tot[0] / tot[1].clamp_min(1)).float(), prog_bar=True, sync_dist=False)
+
+    def on_validation_epoch_end(self):
+        self._eval_end("val")
+
+    def on_test_epoch_start(self):
+        self.on_validation_epoch_start()
+
+    def test_step(self, batch, batch_idx):
+        self.validation_step(batch, batch_idx)
+
+    def on_test_epoch_end(self):
+        self._eval_end("test")

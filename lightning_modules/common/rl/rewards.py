@@ -1,0 +1,78 @@
+"""Verifiable rewards: answer extraction (GSM8K ``####`` format, MATH ``\\boxed{}``) and exact match.
+
+``extract_answer``: the text after the last ``####`` if there is one, else the last ``\\boxed{...}``, else the last
+number in the text; numbers are normalised (thousands separators, ``$``, trailing ``.0`` and a final period
+dropped) so ``1,000.00`` and ``1000`` match. The comparison itself is the project's
+``lightning_modules.common.evaluation.exact_match`` on the normalised strings.
+"""
+from __future__ import annotations
+
+import re
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def normalize_number(text: str) -> str:
+    s = text.strip().replace("$", "").replace(",", "").rstrip(".").strip()
+    if re.fullmatch(r"-?\d+(?:\.\d+)?|-?\.\d+", s):
+        if "." in s:
+            s = s.rstrip("0").rstrip(".") or "0"
+        if s.startswith("-") and set(s[1:]) <= {"0"}:
+            s = s[1:]
+        s = s.lstrip("0") or "0" if not s.startswith("-") else "-" + (s[1:].lstrip("0") or "0")
+        if s.startswith("."):
+            s = "0" + s
+        if s.startswith("-."):
+            s = "-0" + s[1:]
+    return s
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}``, braces balanced; None without one."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    i, depth = start + len("\\boxed{"), 1
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a GSM8K/MATH-style solution, normalised; None when there is none."""
+    if "####" in text:
+        tail = text.rsplit("####", 1)[1].strip()
+        line = tail.splitlines()[0].strip() if tail else ""
+        nums = _NUMBER.findall(line)
+        if nums:
+            return normalize_number(nums[0])
+        return line or None
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return normalize_number(boxed)
+    nums = _NUMBER.findall(text)
+    return normalize_number(nums[-1]) if nums else None
+
+
+def _exact_match(pred: str, gold: str) -> bool:
+    try:
+        from lightning_modules.common.evaluation import exact_match
+    except ImportError:  # the shared evaluation module is not there (older checkout): plain equality
+        return pred.strip() == gold.strip()
+    return bool(exact_match(pred, gold))
+
+
+def exact_match_reward(completion: str, gold: str) -> float:
+    """1.0 if the extracted answer equals the gold answer (itself extracted/normalised), else 0.0."""
+    pred = extract_answer(completion)
+    ref = extract_answer(gold) if ("####" in gold or "\\boxed" in gold) else normalize_number(gold)
+    if pred is None or ref is None:
+        return 0.0
+    return 1.0 if _exact_match(pred, ref) else 0.0
+
+
+def format_reward(completion: str) -> float:
+    """1.0 when the completion states its answer after ``####`` (an optional shaping term)."""
+    return 1.0 if re.search(r"####\s*-?[\d.,]+", completion) else 0.0
