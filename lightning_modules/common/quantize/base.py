@@ -1,0 +1,77 @@
+"""The one interface every weight quantizer implements, and the layer statistics it sees.
+
+A quantizer turns one a×n weight (rows = out-features, columns = in-features) and its calibration
+statistics into a reconstruction Ŵ, the integer codes and a ``RateReport``. The driver
+(``driver.py``) decides which layers, in what order, from which activations, and at what target rate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lightning_modules.common.quantize.rate import RateReport
+
+
+@dataclass
+class LayerStats:
+    """Second moments of one layer's inputs (float64, n×n).
+
+    Plain mode: only ``sigma`` = Σ = E[xxᵀ] (x from the full-precision model).
+    Sequential (Qronos) mode: ``sigma`` = Σ_X̂ (inputs from the already-quantized model), ``cross`` = Σ_{XX̂} =
+    E[x x̂ᵀ] and ``sigma_x`` = Σ_X (full-precision inputs), so the objective is E‖Wx − Ŵx̂‖².
+    """
+
+    sigma: torch.Tensor
+    cross: torch.Tensor | None = None
+    sigma_x: torch.Tensor | None = None
+    tokens: int = 0
+
+    @property
+    def sequential(self) -> bool:
+        return self.cross is not None
+
+    def output_error(self, weight: torch.Tensor, weight_hat: torch.Tensor) -> float:
+        """E‖Wx − Ŵx̂‖² / (a·n); in plain mode tr((W−Ŵ)Σ(W−Ŵ)ᵀ)/(a·n)."""
+        w, wh = weight.double(), weight_hat.double()
+        a, n = w.shape
+        if not self.sequential:
+            d = w - wh
+            return float(((d @ self.sigma) * d).sum() / (a * n))
+        sx = self.sigma_x if self.sigma_x is not None else self.sigma
+        val = ((w @ sx) * w).sum() - 2 * ((w @ self.cross) * wh).sum() + ((wh @ self.sigma) * wh).sum()
+        return float(val / (a * n))
+
+    def signal_power(self, weight: torch.Tensor) -> float:
+        """E‖Wx‖² / (a·n), for relative errors."""
+        w = weight.double()
+        sx = self.sigma_x if self.sigma_x is not None else self.sigma
+        return float(((w @ sx) * w).sum() / w.numel())
+
+
+@dataclass
+class QuantResult:
+    weight: torch.Tensor          # Ŵ, float64, a×n
+    codes: torch.Tensor           # integer codes, a×n (zeros in dead columns)
+    rate: RateReport
+    info: dict = field(default_factory=dict)
+
+
+class Quantizer:
+    """Base class: ``quantize(weight, stats, rate) -> QuantResult``.
+
+    ``fractional_rate``: True when the method can target any real rate (WaterSIC); False for fixed grids
+    whose nominal rate is rounded to a level count (RTN, GPTQ), for which global rate control is a no-op.
+    """
+
+    name = "base"
+    fractional_rate = False
+
+    def quantize(self, weight: torch.Tensor, stats: LayerStats, rate: float) -> QuantResult:  # pragma: no cover
+        raise NotImplementedError
+
+
+def dead_columns(sigma: torch.Tensor, rel: float = 1e-3) -> torch.Tensor:
+    """Input features that carry (almost) no energy: Σ_jj ≤ 0 or Σ_jj < rel·median(diag Σ) (spec §4.2 step 8)."""
+    d = torch.diagonal(sigma)
+    return (d <= 0) | (d < rel * d.median())

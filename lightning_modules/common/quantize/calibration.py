@@ -1,0 +1,108 @@
+"""Calibration statistics: input second moments of linear layers, collected with forward hooks.
+
+``MomentCollector`` streams Σ = E[xxᵀ] for a set of ``nn.Linear`` modules in float64 accumulators (memory O(n²)
+per layer, whatever the number of calibration tokens). ``capture_inputs`` grabs one module's input on one batch
+and stops the forward there (sequential mode needs the full-precision and the quantized inputs of the same tokens,
+to accumulate Σ_X̂, Σ_{XX̂} = E[x x̂ᵀ] and Σ_X).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+
+class _Stop(Exception):
+    """Raised by a hook to end a forward pass early, once the needed input has been seen."""
+
+
+def _flat(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    x = x.reshape(-1, x.shape[-1])
+    if mask is not None:
+        x = x[mask.reshape(-1).to(x.device).bool()]
+    return x.double()
+
+
+class MomentCollector:
+    """Accumulates E[xxᵀ] of each module's input over calibration batches. Modules that see the same input
+    tensor (q/k/v; gate/up) can share one accumulator by passing the same key."""
+
+    def __init__(self, modules: dict[str, torch.nn.Module], device: torch.device | str | None = None):
+        self.modules = modules
+        self.device = device
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, int] = {}
+        self.mask: torch.Tensor | None = None
+        self._handles = []
+
+    def _hook(self, key):
+        def hook(mod, args):
+            x = _flat(args[0].detach(), self.mask)
+            dev = self.device or x.device
+            xtx = (x.T @ x).to(dev)
+            if key in self.sums:
+                self.sums[key] += xtx
+            else:
+                self.sums[key] = xtx
+            self.counts[key] = self.counts.get(key, 0) + x.shape[0]
+        return hook
+
+    def __enter__(self):
+        for key, mod in self.modules.items():
+            self._handles.append(mod.register_forward_pre_hook(self._hook(key)))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        return False
+
+    def moments(self) -> dict[str, torch.Tensor]:
+        return {k: self.sums[k] / max(self.counts[k], 1) for k in self.sums}
+
+
+@torch.no_grad()
+def capture_inputs(model, module: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """The input of ``module`` when ``model`` runs on ``batch`` (the forward stops right there)."""
+    box = {}
+
+    def hook(mod, args):
+        box["x"] = args[0].detach()
+        raise _Stop
+
+    handle = module.register_forward_pre_hook(hook)
+    try:
+        run_batch(model, batch)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    if "x" not in box:
+        raise RuntimeError("the calibration forward pass never reached the layer being quantized")
+    return box["x"]
+
+
+@torch.no_grad()
+def run_batch(model, batch: dict):
+    dev = next(model.parameters()).device
+    kwargs = {"input_ids": batch["input_ids"].to(dev)}
+    if batch.get("attention_mask") is not None:
+        kwargs["attention_mask"] = batch["attention_mask"].to(dev)
+    return model(**kwargs, use_cache=False) if _takes_cache(model) else model(**kwargs)
+
+
+def _takes_cache(model) -> bool:
+    return hasattr(model, "generation_config") or hasattr(getattr(model, "config", None), "use_cache")
+
+
+@contextmanager
+def eval_mode(*models):
+    states = [m.training for m in models]
+    for m in models:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m, s in zip(models, states):
+            m.train(s)

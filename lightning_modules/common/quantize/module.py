@@ -1,0 +1,113 @@
+"""Calibrate-then-quantize as a Lightning test loop, for any quantizer of this package.
+
+``on_test_start``: draw ``n_calib`` calibration sequences from the datamodule's training split (seeded), run the
+driver (``driver.quantize_model``) on the backbone in place, and keep a full-precision copy as the reference.
+``test_step``: token NLL of the quantized model (``test/ppl``), of the reference (``test/ppl_fp``) and
+KL(P_fp ‖ P_q) in bits per token (``test/kl_bits``, ``evaluation.kl_bits_per_token``), token-weighted over the
+split. Rates go to ``quant/*`` and the per-layer table to ``metrics.json['results']``.
+Perplexity is exp of the mean NLL over fixed-length non-overlapping sequences, as the paper evaluates.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Mapping
+
+import torch
+
+from lightning_modules.common.lm import CausalLMModule, _plain
+from lightning_modules.common.quantize import build_quantizer
+from lightning_modules.common.quantize.driver import quantize_model
+
+
+class QuantizeLMModule(CausalLMModule):
+    """Args:
+        backbone: backbone spec (a pretrained one: ``tiny-lm`` or a hub id / local dir).
+        method: ``rtn`` | ``gptq`` | ``huffman_gptq`` | ``watersic``; ``quantizer``: its keyword arguments.
+        rate: target bits per quantized weight (entropy + side information; log2 levels for RTN/GPTQ).
+        mode: ``plain`` (Σ from the full-precision model) or ``sequential`` (Qronos statistics).
+        rate_control: one global budget over all layers (fractional-rate methods only).
+        n_calib / calib_batch_size / calib_seed: calibration sequences from the training split.
+        kl: also evaluate the full-precision reference (``test/ppl_fp``, ``test/kl_bits``).
+        with_limit: compute each layer's Gaussian R(D) at its achieved distortion (``quant/rd_limit``).
+    """
+
+    def __init__(self, backbone: Mapping[str, Any], method: str = "watersic", quantizer: Mapping[str, Any] | None = None,
+                 rate: float = 3.0, mode: str = "plain", rate_control: bool = True, n_calib: int = 32,
+                 calib_batch_size: int = 8, calib_seed: int = 0, kl: bool = True, with_limit: bool = True,
+                 optimizer=None, scheduler=None, weight_decay: float = 0.0):
+        super().__init__(backbone, optimizer=optimizer, scheduler=scheduler, weight_decay=weight_decay)
+        self.quantizer_kwargs = _plain(quantizer or {})
+        self.hparams["quantizer"] = self.quantizer_kwargs
+        build_quantizer(method, **self.quantizer_kwargs)  # fail fast on a bad method / argument
+        self.method, self.rate, self.mode, self.rate_control = method, rate, mode, rate_control
+        self.n_calib, self.calib_batch_size, self.calib_seed = n_calib, calib_batch_size, calib_seed
+        self.kl, self.with_limit = kl, with_limit
+        self._reference: list = []  # a list, so the copy is not registered as a submodule (or checkpointed)
+        self.quantized = False
+        self.results: dict = {}
+
+    @property
+    def reference(self):
+        return self._reference[0] if self._reference else None
+
+    def calibration_batches(self) -> list[dict]:
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        dataset = getattr(dm, "train_set", None)
+        if dataset is None:
+            raise ValueError("quantization needs calibration data: the datamodule must provide train_set (data=corpus)")
+        if len(dataset) < self.n_calib:
+            raise ValueError(f"model.n_calib={self.n_calib} but the training split holds {len(dataset)} sequences")
+        idx = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(self.calib_seed))[:self.n_calib]
+        seqs = [dataset[int(i)]["input_ids"] for i in idx]
+        return [{"input_ids": torch.stack(seqs[i:i + self.calib_batch_size])}
+                for i in range(0, len(seqs), self.calib_batch_size)]
+
+    def quantize(self, batches: list[dict]) -> dict:
+        if self.kl or self.mode == "sequential":
+            self._reference = [copy.deepcopy(self.model).eval().requires_grad_(False)]
+        report = quantize_model(self.model, build_quantizer(self.method, **self.quantizer_kwargs), batches, self.rate,
+                                mode=self.mode, rate_control=self.rate_control, reference=self.reference,
+                                with_limit=self.with_limit)
+        self.quantized = True
+        self.results = {"quantization": {"method": self.method, "mode": self.mode, "target_rate": self.rate,
+                                         **report["summary"]}, "layers": report["layers"]}
+        return report
+
+    def on_test_start(self):
+        if not self.quantized:
+            self.quantize(self.calibration_batches())
+
+    def on_test_epoch_start(self):
+        super().on_test_epoch_start()
+        self._fp_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        self._kl_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        self._kl_pos = torch.zeros((), device=self.device, dtype=torch.float64)
+
+    def test_step(self, batch, batch_idx):
+        super().test_step(batch, batch_idx)
+        ref = self.reference
+        if ref is not None and self.kl:
+            from lightning_modules.common.evaluation import kl_bits_per_token
+
+            s, n = self._token_nll_of(ref, batch)
+            self._fp_sum += s.double()
+            self._kl_sum += kl_bits_per_token(self.model, ref, batch["input_ids"]) * batch["input_ids"].numel()
+            self._kl_pos += batch["input_ids"].numel()
+
+    @torch.no_grad()
+    def _token_nll_of(self, model, batch):
+        saved, self.model = self.model, model
+        try:
+            return self.token_nll(batch)
+        finally:
+            self.model = saved
+
+    def on_test_epoch_end(self):
+        super().on_test_epoch_end()
+        if self.reference is not None and self.kl:
+            self.log("test/ppl_fp", torch.exp(self._fp_sum / self._val_count.clamp_min(1)).float())
+            self.log("test/kl_bits", (self._kl_sum / self._kl_pos.clamp_min(1)).float())
+        for key in ("bits", "bits_pooled", "bits_column", "bits_cardinality", "rd_limit", "rel_mse"):
+            val = self.results.get("quantization", {}).get(key)
+            if val is not None:
+                self.log(f"quant/{key}", float(val))

@@ -1,0 +1,210 @@
+"""WaterSIC (Lifar, Savkin, Ordentlich, Polyanskiy, ICML 2026, arXiv 2603.04956): waterfilling step sizes +
+successive interference cancellation, entropy-coded. Follows the authors' ``zsic.py`` (spec ../shared/papers/watersic.md §4.2).
+
+One layer (W: a×n, rows = out-features):
+1. Dead inputs (Σ_jj ≤ 0 or < 1e-3·median diag Σ) are removed, and reinserted as zero columns.
+2. H = Σ_X̂ + μI, μ = percdamp·mean(diag), percdamp = 1e-4; H = LLᵀ in float64.
+3. Target Y = (W Σ_{XX̂} + μW) L^{−T}; in plain mode Σ_{XX̂} = Σ and this is Y = WL.
+4. One global whitened step c = sqrt(12·geomean_j(s_j L_jj²))·2^{−r}, s_j = mean_i W_ij², and per-column W-domain
+   steps α_j = c/L_jj (so α_j L_jj = c: equal distortion c²/12 per whitened column = reverse waterfilling at high rate).
+5. SIC in reverse column order: z = round(y_j/c) (integers, no clipping), LMMSE gain γ_j = zᵀy/(zᵀz)/c (0 if z = 0),
+   Ŵ_j = γ_j α_j z, and Y ← Y − Ŵ_j L[j, :] (only columns < j change; blocked lazily, same arithmetic).
+6. Diagonal rescalers Ŵ = diag(t)(Z∘α)diag(g) by alternating exact g- and t-steps (``find_optimal_rescalers``).
+7. Rate: code entropy (``accounting``: pooled = the authors' figure, default; column = per-column tables) +
+   (16a + 16n_live + 16n_dead)/(a·n). ``target_rate=True`` finds r by the spec's secant loop on a random
+   ``search_fraction`` of the rows (fp32) so that the entropy lands within ``tol`` = 0.005 bit of its target.
+
+Switches: ``rescalers`` (on, as in the paper's runs), ``target_rate`` (``--zsic_binary_search``, on),
+``accounting`` (pooled | column), ``percdamp`` (1e-4), ``search_fraction`` (0.1; we also keep at least
+``search_min_rows`` = 128 rows so tiny layers are not searched on a handful of codes: a CPU-scale addition;
+with column accounting all rows are used, since per-column plug-in entropies on few rows are biased low).
+Not implemented: residual compensation, attention-weighted QKV statistics, the joint ε search and WaterSIC-FT.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lightning_modules.common.quantize.base import LayerStats, QuantResult, Quantizer, dead_columns
+from lightning_modules.common.quantize.rate import (RateReport, column_entropy_bits, entropy_bits,
+                                                    watersic_entropy_target, watersic_side_bits)
+
+
+def watersic_step(weight: torch.Tensor, chol: torch.Tensor, r: float) -> tuple[float, torch.Tensor]:
+    """(c, α): the global whitened step c = sqrt(12·geomean(s_j L_jj²))·2^{−r} and α_j = c / L_jj."""
+    s = (weight.double() ** 2).mean(0)
+    ljj = torch.diagonal(chol).double()
+    geo = torch.exp(torch.log((s * ljj ** 2).clamp_min(1e-300)).mean())
+    c = float(torch.sqrt(12 * geo) * 2.0 ** (-r))
+    return c, c / ljj
+
+
+def sic(target: torch.Tensor, chol: torch.Tensor, c: float, alpha: torch.Tensor, block: int = 128):
+    """Successive interference cancellation in reverse column order; returns (Z, Ŵ, γ)."""
+    y = target.clone()
+    a, n = y.shape
+    z_all = torch.zeros(a, n, dtype=y.dtype, device=y.device)
+    w_hat = torch.zeros_like(y)
+    gamma = torch.zeros(n, dtype=y.dtype, device=y.device)
+    chol = chol.to(y.dtype)
+    alpha = alpha.to(y.dtype)
+    for b1 in range(n, 0, -block):
+        b0 = max(0, b1 - block)
+        for j in range(b1 - 1, b0 - 1, -1):
+            col = y[:, j]
+            z = torch.round(col / c)
+            zz = float(z @ z)
+            g = float(z @ col) / zz / c if zz > 0 else 0.0
+            w = (g * alpha[j]) * z
+            z_all[:, j], w_hat[:, j], gamma[j] = z, w, g
+            if j > b0:
+                y[:, b0:j] -= torch.outer(w, chol[j, b0:j])
+        if b0 > 0:
+            y[:, :b0] -= w_hat[:, b0:b1] @ chol[b0:b1, :b0]
+    return z_all, w_hat, gamma
+
+
+def rescaler_loss(t, g, A, sig_hat, B, const):
+    w_hat = t.unsqueeze(1) * A * g.unsqueeze(0)
+    return float(((w_hat @ sig_hat) * w_hat).sum() - 2 * (B * w_hat).sum() + const)
+
+
+def find_optimal_rescalers(A: torch.Tensor, g0: torch.Tensor, sig_hat: torch.Tensor, B: torch.Tensor,
+                           const: float, max_iter: int = 1000, rel_tol: float = 3e-4,
+                           g_clip: tuple[float, float] = (-0.1, 1.5)):
+    """Alternating row (t) and column (g) rescalers minimising tr(ŴΣ̂Ŵᵀ) − 2⟨B, Ŵ⟩ + const, Ŵ = diag(t)·A·diag(g).
+
+    A = Z∘α, B = W·Σ_{XX̂}. g-step: (Σ̂ ∘ Aᵀdiag(t²)A + ridge·I) g = diag(Aᵀ diag(t) B), clipped to ``g_clip``, with
+    backtracking (full step, then 0.5, 0.25, 0.125, 0.0625) if the loss rises. t-step: the exact row-wise
+    minimiser t_i = Σ_j B_ij M_ij / (Σ_j (MΣ̂)_ij M_ij + ridge), M = A·diag(g). Then mean|t| = 1 (scale into g).
+    Stops when the relative loss change is below ``rel_tol``; a step that raises the loss is reverted.
+    Returns (t, g, loss history).
+    """
+    t = torch.ones(A.shape[0], dtype=A.dtype, device=A.device)
+    g = g0.clone()
+    loss = rescaler_loss(t, g, A, sig_hat, B, const)
+    history = [loss]
+    eye = torch.eye(A.shape[1], dtype=A.dtype, device=A.device)
+    for _ in range(max_iter):
+        t_old, g_old, loss_old = t, g, loss
+        # g-step
+        gram = sig_hat * (A.T @ (A * (t ** 2).unsqueeze(1)))
+        rhs = (A * (t.unsqueeze(1) * B)).sum(0)
+        ridge = max(1e-11, 1e-8 * float(torch.diagonal(gram).mean()))
+        g_star = torch.linalg.solve(gram + ridge * eye, rhs).clamp(*g_clip)
+        for step in (1.0, 0.5, 0.25, 0.125, 0.0625):
+            g_try = g + step * (g_star - g)
+            l_try = rescaler_loss(t, g_try, A, sig_hat, B, const)
+            if l_try <= loss:
+                g, loss = g_try, l_try
+                break
+        # t-step
+        m = A * g.unsqueeze(0)
+        den = ((m @ sig_hat) * m).sum(1)
+        ridge_t = max(1e-11, 1e-8 * float(den.mean()))
+        t = (B * m).sum(1) / (den + ridge_t)
+        scale = t.abs().mean()
+        if scale > 0:
+            t, g = t / scale, g * scale
+        loss = rescaler_loss(t, g, A, sig_hat, B, const)
+        if loss > loss_old:  # revert and stop
+            t, g, loss = t_old, g_old, loss_old
+            history.append(loss)
+            break
+        history.append(loss)
+        if abs(loss_old - loss) <= rel_tol * abs(loss_old):
+            break
+    return t, g, history
+
+
+def secant_search(entropy_at, target: float, tol: float = 0.005, max_evals: int = 6, clamp: float = 10.0):
+    """The spec's rate targeting: r0 = H*, r1 = r0 − (H(r0) − H*), then secant steps clamped to [−clamp, clamp],
+    at most ``max_evals`` evaluations, stopping when |H − H*| < tol. Returns (best r, its H, evaluations)."""
+    rs, hs = [target], [entropy_at(target)]
+    if abs(hs[0] - target) >= tol and max_evals > 1:
+        r1 = max(-clamp, min(clamp, target - (hs[0] - target)))
+        rs.append(r1)
+        hs.append(entropy_at(r1))
+    while abs(hs[-1] - target) >= tol and len(rs) < max_evals:
+        dh = hs[-1] - hs[-2]
+        if dh == 0:
+            break
+        r = rs[-1] - (hs[-1] - target) * (rs[-1] - rs[-2]) / dh
+        r = max(-clamp, min(clamp, r))
+        rs.append(r)
+        hs.append(entropy_at(r))
+    best = min(range(len(rs)), key=lambda i: abs(hs[i] - target))
+    return rs[best], hs[best], list(zip(rs, hs))
+
+
+class WaterSIC(Quantizer):
+    """WaterSIC for one layer; see the module docstring for the steps and switches."""
+
+    name = "watersic"
+    fractional_rate = True
+
+    def __init__(self, percdamp: float = 1e-4, rescalers: bool = True, target_rate: bool = True,
+                 accounting: str = "pooled", tol: float = 0.005, max_evals: int = 6, search_fraction: float = 0.1,
+                 search_min_rows: int = 128, dead_rel: float = 1e-3, block: int = 128, seed: int = 0):
+        if accounting not in ("pooled", "column"):
+            raise ValueError(f"watersic accounting={accounting!r}: use 'pooled' (the authors' code) or 'column'")
+        self.percdamp, self.rescalers, self.target_rate, self.accounting = percdamp, rescalers, target_rate, accounting
+        self.tol, self.max_evals, self.search_fraction, self.search_min_rows = tol, max_evals, search_fraction, search_min_rows
+        self.dead_rel, self.block, self.seed = dead_rel, block, seed
+
+    def _entropy(self, codes):
+        return entropy_bits(codes) if self.accounting == "pooled" else column_entropy_bits(codes)
+
+    def quantize(self, weight: torch.Tensor, stats: LayerStats, rate: float) -> QuantResult:
+        w_full = weight.double()
+        a, n = w_full.shape
+        dead = dead_columns(stats.sigma, self.dead_rel)
+        live = ~dead
+        w = w_full[:, live]
+        sig = stats.sigma.double()[live][:, live]
+        cross = stats.cross.double()[live][:, live] if stats.sequential else sig
+        sig_x = (stats.sigma_x if stats.sigma_x is not None else stats.sigma).double()[live][:, live]
+        n_live = int(live.sum())
+        mu = self.percdamp * float(torch.diagonal(sig).mean())
+        eye = torch.eye(n_live, dtype=sig.dtype, device=sig.device)
+        chol = torch.linalg.cholesky(sig + mu * eye)
+        target = torch.linalg.solve_triangular(chol, (w @ cross + mu * w).T, upper=False).T  # (WΣ_XX̂ + μW) L^{-T}
+
+        evals = []
+        r = rate
+        if self.target_rate:
+            h_star = watersic_entropy_target(rate, a, n, n_live)
+            gen = torch.Generator().manual_seed(self.seed)
+            k = min(a, max(self.search_min_rows, int(math.ceil(self.search_fraction * a))))
+            if self.accounting == "column":  # per-column plug-in entropy on 10% of rows is biased low: use all
+                k = a
+            rows = torch.randperm(a, generator=gen)[:k].to(w.device)
+            t32, l32, w32 = target[rows].float(), chol.float(), w[rows]
+
+            def entropy_at(r_):
+                c_, al_ = watersic_step(w, chol, r_)  # c from all rows' column powers
+                z_, _, _ = sic(t32, l32, c_, al_.float(), self.block)
+                return self._entropy(z_)
+
+            r, _, evals = secant_search(entropy_at, h_star, self.tol, self.max_evals)
+        c, alpha = watersic_step(w, chol, r)
+        z, w_hat, gamma = sic(target, chol, c, alpha, self.block)
+        info = {"r": r, "c": c, "secant": evals, "dead_columns": int(dead.sum())}
+        if self.rescalers:
+            A = z * alpha.unsqueeze(0)
+            const = float(((w @ sig_x) * w).sum())
+            t, g, hist = find_optimal_rescalers(A, gamma, sig, w @ cross, const)
+            w_hat = t.unsqueeze(1) * A * g.unsqueeze(0)
+            info.update(rescaler_iters=len(hist) - 1, rescaler_gain=hist[0] / max(hist[-1], 1e-300))
+        out = torch.zeros(a, n, dtype=torch.float64, device=w.device)
+        out[:, live] = w_hat
+        codes = torch.zeros(a, n, dtype=torch.int64, device=w.device)
+        codes[:, live] = z.to(torch.int64)
+        zl = codes[:, live]
+        report = RateReport(rows=a, cols=n, live_cols=n_live, entropy_pooled=entropy_bits(zl),
+                            entropy_column=column_entropy_bits(zl),
+                            side_bits=watersic_side_bits(a, n_live, n - n_live), levels=None, accounting=self.accounting)
+        info["alpha"] = alpha
+        info["chol_diag"] = torch.diagonal(chol)
+        return QuantResult(out, codes, report, info)
