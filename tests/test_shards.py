@@ -204,3 +204,24 @@ def test_shards_experiment_config_composes(tmp_path):
     data = OmegaConf.to_container(cfg.data, resolve=True)
     assert data["_target_"] == "datamodules.shards.ShardDataModule"
     assert data["files"] == f"{tmp_path}/*.jsonl" and data["shard_dir"] is None
+
+
+@pytest.mark.slow
+def test_lm_tiny_trains_on_shards_through_run_py(tmp_path):
+    """The whole path: run.py's runner builds the shards in prepare_data and trains on them (a worker process
+    reads the memmaps), and the loss falls."""
+    import math
+
+    from tests.helpers import run_experiment
+
+    rng = np.random.default_rng(0)
+    words = "def class return import value list dict string module function argument result".split()
+    lines = [json.dumps({"text": " ".join(rng.choice(words, size=60))}) for _ in range(300)]
+    (tmp_path / "corpus.jsonl").write_text("\n".join(lines) + "\n")
+    value, metrics = run_experiment("lm_tiny", tmp_path / "run", overrides=(
+        "debug=smoke", "data=shards", f"data.files={tmp_path}/corpus.jsonl", f"data.shard_dir={tmp_path}/shards",
+        "data.seq_len=64", "data.val_fraction=0.1", "data.num_workers=1", "data.progress=false",
+        "++callbacks.export=null"))
+    assert metrics["status"] == "ok" and metrics["global_step"] == 20
+    assert S.read_index(tmp_path / "shards")["complete"]
+    assert math.isfinite(value) and metrics["final"]["train/loss"] < math.log(2048) - 1.0
