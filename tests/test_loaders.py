@@ -120,3 +120,17 @@ def test_text_datamodule_bad_record_fails_at_setup(tmp_path, tiny_tokenizer, mon
         dm.setup("fit")
     with pytest.raises(ValueError, match=r"data.source='hub'"):
         TextDataModule(tiny_tokenizer, source="hub").documents()
+
+
+def test_gzipped_jsonl_is_checked_and_loaded(tmp_path):
+    import gzip
+
+    f = tmp_path / "a.jsonl.gz"
+    with gzip.open(f, "wt") as fh:
+        fh.write('{"text": "one"}\n{"text": "two"}\n')
+    assert load_local(str(f))["text"] == ["one", "two"]
+    bad = tmp_path / "b.jsonl.gz"
+    with gzip.open(bad, "wt") as fh:
+        fh.write('{"text": "one"}\n{"text": \n')
+    with pytest.raises(MalformedRecordError, match=rf"{bad}:2:"):
+        load_local(str(bad))

@@ -1,6 +1,7 @@
 """Local-file loaders through `datasets`, with one clear line for a malformed record."""
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 from typing import Iterable
@@ -12,7 +13,10 @@ class MalformedRecordError(ValueError):
 
 def _check_jsonl(path: Path, field: str | None) -> None:
     """`datasets` reports a bad JSON line without naming it; check first so the error names file and line."""
-    with path.open(encoding="utf-8") as fh:
+    if path.suffix == ".zst":  # no reader for it here: `datasets` reports what it finds
+        return
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
