@@ -57,7 +57,7 @@ def _minimise(law: Law, X: dict, logy: torch.Tensor, x0: np.ndarray, free: np.nd
         theta = theta.index_put((idx,), zt)
         loss = _huber(law.log_predict(theta, X) - logy, delta)
         loss.backward()
-        return float(loss), zt.grad.numpy().copy()
+        return float(loss.detach()), zt.grad.numpy().copy()
 
     res = minimize(objective, x0[free], jac=True, method="L-BFGS-B", options={"maxiter": 2000})
     theta = x0.copy()
@@ -96,8 +96,8 @@ def fit_law(law: Law | str, df: pd.DataFrame, huber_delta: float | None = None, 
         raise ValueError(f"{law.name}: {len(train)} usable rows (target > 0) cannot fit {len(law.params)} parameters")
     Xn = {c: train[c].to_numpy(dtype=np.float64) for c in law.inputs}
     y = train[law.target].to_numpy(dtype=np.float64)
-    X = {c: torch.as_tensor(v) for c, v in Xn.items()}
-    logy = torch.log(torch.as_tensor(y))
+    X = {c: torch.tensor(v) for c, v in Xn.items()}
+    logy = torch.log(torch.tensor(y))
     delta = law.huber_delta if huber_delta is None else huber_delta
 
     frozen = law.frozen(Xn)

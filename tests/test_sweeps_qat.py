@@ -1,0 +1,146 @@
+"""sweeps/: the fitter recovers planted laws, the collector pairs and excludes, a real 2×2×2 multirun is fitted."""
+import json
+import re
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from sweeps.collect import add_deltas, collect, qat_table
+from sweeps.fit import fit_law, markdown, qat_report
+from sweeps.laws import LAWS, ChinchillaLaw, QATDeltaLaw, get_law
+from tests.helpers import ROOT
+
+
+def planted_delta(seed=0, noise=0.05, k=3.0, gD=0.3, gG=0.8, gN=0.6):
+    rng = np.random.default_rng(seed)
+    rows = []
+    for N in (5e4, 1e5, 2e5, 4e5):
+        for D in (1e5, 2e5, 4e5, 8e5):
+            for G in (16, 32, 64, 128):
+                clean = k * D ** gD * math.log2(G) ** gG / N ** gN
+                rows.append({"N": N, "D": D, "G": G, "delta": clean * math.exp(rng.normal(0, noise))})
+    return pd.DataFrame(rows)
+
+
+def test_delta_fitter_recovers_planted_constants_under_multiplicative_noise():
+    df = planted_delta()
+    res = fit_law("qat_delta", df)
+    c = res.constants
+    assert abs(c["gamma_D"] - 0.3) < 0.04 and abs(c["gamma_G"] - 0.8) < 0.06 and abs(c["gamma_N"] - 0.6) < 0.04
+    assert abs(math.log(c["k"]) - math.log(3.0)) < 0.6
+    assert res.r2_log > 0.97
+    assert len(res.heldout) == 4 and res.heldout_rel_err < 0.1  # the (max N, max D) corner, all four G
+    assert res.n_fit == len(df) - 4
+
+
+def test_delta_fit_drops_nonpositive_cells_and_freezes_unidentified_exponents():
+    df = planted_delta(noise=0.0)
+    df.loc[[0, 5], "delta"] = [-0.01, 0.0]
+    res = fit_law("qat_delta", df, holdout=None)
+    assert len(res.dropped) == 2 and {r["delta"] for r in res.dropped} == {-0.01, 0.0}
+    assert abs(res.constants["gamma_N"] - 0.6) < 1e-3 and res.r2_log > 0.999
+    one_g = df[df["G"] == 64]
+    res_g = fit_law("qat_delta", one_g, holdout=None)
+    assert res_g.frozen == {"gamma_G": 0.0} and res_g.constants["gamma_G"] == 0.0
+    assert abs(res_g.constants["gamma_D"] - 0.3) < 1e-3
+    with pytest.raises(ValueError, match="cannot fit"):
+        fit_law("qat_delta", df.head(3), holdout=None)
+
+
+def test_chinchilla_fit_recovers_a_planted_law():
+    rng = np.random.default_rng(1)
+    A, B, E, a, b = 400.0, 2000.0, 1.7, 0.34, 0.28
+    rows = [{"N": N, "D": D, "loss": (A / N ** a + B / D ** b + E) * math.exp(rng.normal(0, 0.002))}
+            for N in (1e6, 1e7, 1e8, 1e9) for D in (1e8, 1e9, 1e10, 1e11)]
+    res = fit_law("chinchilla", pd.DataFrame(rows))
+    assert res.heldout_rel_err < 0.01 and res.r2_log > 0.99
+    assert abs(res.constants["E"] - E) < 0.1
+    assert abs(res.constants["alpha"] - a) < 0.02 and abs(res.constants["beta"] - b) < 0.02
+
+
+def test_laws_are_small_classes():
+    assert {"qat_delta", "chinchilla"} <= set(LAWS)
+    assert isinstance(get_law("qat_delta"), QATDeltaLaw) and isinstance(get_law("chinchilla"), ChinchillaLaw)
+    with pytest.raises(ValueError, match="unknown law"):
+        get_law("nope")
+
+
+def _fake_job(root: Path, name: str, status: str, rows=None, N=1000, D=2000, seed=1):
+    d = root / name
+    (d / ".hydra").mkdir(parents=True)
+    (d / ".hydra" / "overrides.yaml").write_text(f"- trainer.max_steps={D}\n")
+    (d / ".hydra" / "config.yaml").write_text(f"seed: {seed}\n")
+    payload = {"status": status, "final": {"test/loss": 1.0}, "parameters": {"params/non_embedding": N}}
+    if rows is not None:
+        payload["results"] = {"qat_law": {"N": N, "D": D, "rows": rows}}
+    (d / "metrics.json").write_text(json.dumps(payload))
+
+
+def _row(prec, g, loss):
+    return {"precision": prec, "variant": f"{prec}_g{g}" if prec != "fp" else "fp", "w_bits": 4, "a_bits": 4,
+            "fc2_a_bits": 4, "group_size": g, "loss": loss, "delta": None}
+
+
+def test_collector_pairs_twins_across_jobs_and_excludes_failures(tmp_path):
+    _fake_job(tmp_path, "a", "ok", [_row("fp", 0, 3.0), _row("w4a4", 16, 3.5)])
+    _fake_job(tmp_path, "b", "ok", [_row("w4a4", 64, 3.25)])           # twin lives in job a
+    _fake_job(tmp_path, "c", "failed: ValueError: group_size=48 does not divide", None)
+    _fake_job(tmp_path, "d", "ok", [_row("w4a4", 16, 9.0)], seed=2)    # no twin for seed 2
+    jobs, failures = collect(tmp_path)
+    assert len(jobs) == 3 and len(failures) == 1 and "group_size=48" in failures[0]["status"]
+    t = qat_table(jobs).sort_values(["seed", "loss"])
+    assert list(t["delta"].iloc[:3]) == [0.0, 0.25, 0.5]
+    assert pd.isna(t["delta"].iloc[3])
+    assert jobs[0]["flat"]["trainer.max_steps"] == "2000"
+    # same-job twins win over other jobs' twins
+    extra = pd.DataFrame([{"N": 1, "D": 1, "seed": 0, "precision": "fp", "loss": 1.0, "job": "x"},
+                          {"N": 1, "D": 1, "seed": 0, "precision": "fp", "loss": 2.0, "job": "y"},
+                          {"N": 1, "D": 1, "seed": 0, "precision": "w4a4", "loss": 2.5, "job": "y"}])
+    assert add_deltas(extra)["delta"].iloc[2] == 0.5
+
+
+def test_qat_report_signs_and_markdown():
+    df = planted_delta(noise=0.01).rename(columns={"G": "group_size"})
+    df["precision"], df["seed"] = "w4a4", 1
+    fp = df.drop_duplicates(["N", "D"]).assign(precision="fp", delta=0.0, group_size=0)
+    fp["loss"] = 400 / fp["N"] ** 0.34 + 900 / fp["D"] ** 0.28 + 1.7
+    rep = qat_report(pd.concat([df, fp], ignore_index=True))
+    assert rep["claims"] == {"dδ/dN < 0": True, "dδ/dD > 0": True, "dδ/dG > 0": True}
+    assert "fp (chinchilla)" in rep["fits"]
+    text = markdown(rep)
+    assert "| w4a4 |" in text and re.search(r"gamma_D=0\.(29|30)", text) and "| dδ/dG > 0 | yes |" in text
+
+
+@pytest.mark.slow
+def test_minimal_2x2x2_sweep_through_multirun_collect_fit_plot(tmp_path):
+    """N × D × G = 2 × 2 × 2 through Hydra multirun (plus one failing job), collected, δ law fitted, plotted."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "run.py", "-m", "experiment=qat_law_tiny", "+sweep=qat_law_tiny",
+           "backbone=llama_qat_t150k,llama_qat_t300k", "trainer.max_steps=8,16",
+           "model.group_sizes=[16],[128],[48]", "model.precisions=[fp,w3a3]",
+           "data.seq_len=64", "data.batch_size=4", "data.max_val_sequences=8", "model.scheduler.warmup_steps=2",
+           "callbacks.progress_bar=null", "callbacks.lr_monitor=null", "logger=none", "debug=smoke",
+           f"paths.log_dir={tmp_path}", "hydra.sweep.dir=" + str(tmp_path / "multirun")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert "8 ok, 4 failed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode != 0  # failures are reported by the exit code, after every job has run
+    out = tmp_path / "result"
+    from sweeps.fit import main
+
+    assert main([str(tmp_path / "multirun"), "--law", "qat_delta", "--out", str(out)]) == 0
+    table = pd.read_csv(f"{out}.csv")
+    assert len(table) == 16 and set(table["precision"]) == {"fp", "w3a3"}
+    assert set(table["group_size"]) == {0, 16, 128} and table["D"].nunique() == 2 and table["N"].nunique() == 2
+    rep = json.loads(Path(f"{out}_fit.json").read_text())
+    assert len(rep["failed_jobs"]) == 4 and all("48" in f["status"] for f in rep["failed_jobs"])
+    fit = rep["fits"]["w3a3"]
+    assert fit["n_fit"] + len(fit["heldout"]) + len(fit["dropped"]) == 8
+    assert math.isfinite(fit["r2_log"])
+    assert "fp (chinchilla)" in rep["skipped"]  # four full-precision cells cannot fit the Chinchilla part
+    assert Path(f"{out}.png").stat().st_size > 10_000
