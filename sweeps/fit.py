@@ -198,7 +198,13 @@ def main(argv=None) -> int:
     ap.add_argument("--where", action="append", default=[], help="column=value filters (repeatable)")
     ap.add_argument("--huber-delta", type=float, default=None)
     ap.add_argument("--out", default=None, help="output prefix: <out>.csv, <out>_fit.json, <out>_fit.md, <out>.png")
+    ap.add_argument("--wandb", action="store_true", help="also log the table, constants and plot to a W&B run")
     args = ap.parse_args(argv)
+    run = None
+    if args.wandb:
+        import wandb
+
+        run = wandb.init(project="paperlab", job_type="fit-law", name=f"fit-{args.law}", config=vars(args))
 
     if len(args.sources) == 1 and args.sources[0].endswith(".csv"):
         table, failures = pd.read_csv(args.sources[0]), []
@@ -227,6 +233,12 @@ def main(argv=None) -> int:
 
         plot_report(table, report, out.with_name(out.name + ".png"))
         print(f"wrote {out}.csv, {out}_fit.json, {out}_fit.md, {out}.png")
+    if run is not None:
+        import wandb
+
+        run.log({"law/table": wandb.Table(dataframe=table.astype(str))})
+        run.summary.update({f"{name}/{k}": v for name, f in report["fits"].items() for k, v in f["constants"].items()})
+        run.finish()
     return 0
 
 
