@@ -59,9 +59,8 @@ def attach_hici(model, cfg: Mapping[str, Any]) -> list:
     """Register a LocalConstructor and a GlobalIntegrator on every attention layer (before LoRA wrapping), on the
     layer's device and dtype. Returns the attention layers."""
     layers = attention_modules(model)
-    hidden = model.config.hidden_size
     for attn in layers:
-        w = attn.q_proj.weight
+        hidden, w = attn.config.hidden_size, attn.q_proj.weight
         with torch.device(w.device):
             attn.local_constructor = LocalConstructor(hidden, cfg["local_slots"], cfg["bottleneck_dim"], cfg["heads"]).to(w.dtype)
             attn.global_integrator = GlobalIntegrator(hidden, cfg["global_slots"], cfg["compress_dim"], cfg["expand_dim"],
