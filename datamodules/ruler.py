@@ -93,23 +93,19 @@ def _niah(task: str, tokenizer, n_tokens: int, rng: random.Random) -> dict:
     values = [[new_value(rng) for _ in range(n_values)] for _ in keys]
     needles = [f"One of the special magic {kind} for {k} is: {v}." for k, vs in zip(keys, values) for v in vs]
     needle_hay = task in ("niah_multikey_2", "niah_multikey_3")
-    budget_units = n_tokens  # generous upper bound on haystack units
     hay = []
-    for _ in range(budget_units):
-        if needle_hay:
+    while len(hay) * 8 <= n_tokens:  # every unit is more than 8 tokens: enough units to fill any budget
+        if needle_hay:  # distractor needles with other keys
             k = new_key(rng)
             while k in keys:
                 k = new_key(rng)
             hay.append(f"One of the special magic {kind} for {k} is: {new_value(rng)}.")
         else:
             hay.append(FILLER.strip())
-        if len(hay) * 8 > n_tokens:  # every unit is more than 8 tokens
-            break
     depths = [rng.random() for _ in needles]
     query = ", ".join(keys)
-    q_kind = kind if n_keys == 1 and n_values == 1 else kind
-    question = f"What are all the special magic {q_kind} for {query} mentioned in the provided text?"
-    answer_prefix = f" The special magic {q_kind} for {query} mentioned in the provided text are"
+    question = f"What are all the special magic {kind} for {query} mentioned in the provided text?"
+    answer_prefix = f" The special magic {kind} for {query} mentioned in the provided text are"
     intro = (f"Some special magic {kind} are hidden within the following text. Make sure to memorize it. "
              f"I will quiz you about the {kind} afterwards.\n")
 

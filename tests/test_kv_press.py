@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_modules.common.kv_press import (SCORERS, AdaKV, Block, KeyDiff, KNorm, ManifoldKV, Random, SnapKV,
-                                               StreamingLLM, build_press, prefill_and_answer)
+                                               StreamingLLM, WindowedManifoldKV, build_press, prefill_and_answer)
 
 L_CTX = 40
 
@@ -143,6 +143,8 @@ def test_windowed_manifoldkv_finds_each_topic_outlier_and_reduces_to_global():
     assert set(glob.topk(2).indices.tolist()) != outliers  # the diluted global centroid misranks them
     for w in (2 * half, 10 * half):
         assert torch.equal(_score(ManifoldKV(0.5, window_size=w), keys), _score(ManifoldKV(0.5), keys))
+    assert WindowedManifoldKV(0.5).window_size == 4096  # the paper's window
+    assert torch.equal(_score(WindowedManifoldKV(0.5, window_size=half), keys)[0, 0], win)
     # a trailing partial window gets its own centroid
     part = _score(ManifoldKV(0.5, window_size=40), keys)[0, 0]
     tail = keys[0, 0, 40:]

@@ -88,7 +88,7 @@ def test_eval_module_scores_planted_answers_with_string_match(tiny_lm_dir, tok):
     from lightning_modules.manifoldkv.module import KVPressEvalModule
 
     module = KVPressEvalModule(backbone={"family": "llama", "pretrained": str(tiny_lm_dir)},
-                               press={"name": "manifoldkv", "compression_ratio": 0.5}, max_new_tokens=12)
+                               press={"name": "manifoldkv", "compression_ratio": 0.5}, max_new_tokens=2)
     module.configure_model()
     dm = RulerDataModule(tok, tasks=["niah_single", "vt"], lengths=[256], samples_per_task=1)
     dm.setup()

@@ -11,7 +11,8 @@ The contract is kvpress's (NVIDIA), re-implemented for transformers 5.x (where t
   implements ``score(module, hidden_states, keys, values, kwargs) -> (batch, kv_heads, L)`` (higher = keep) and
   every head keeps its top ``int(L * (1 - compression_ratio))`` tokens. Kept tokens are stored in position order
   (kvpress stores them in top-k order; attention is permutation-invariant over cached keys, so this is equivalent).
-- Scorers: ``ManifoldKV`` (Euclidean distance to the per-head key centroid; ``window_size`` int = WindowedManifoldKV),
+- Scorers: ``ManifoldKV`` (Euclidean distance to the per-head key centroid; ``window_size`` int = windowed;
+  ``WindowedManifoldKV`` is the same with the paper's 4096-token windows by default),
   ``KeyDiff``, ``KNorm``, ``SnapKV``, ``StreamingLLM``, ``Random``.
 - Wrappers take any scorer: ``AdaKV`` (head-adaptive budget inside a layer, evicted positions *masked* through a
   masked attention function, cache length unchanged) and ``Block`` (KeyDiff's block-wise prefill: keep, append
@@ -176,6 +177,13 @@ class ManifoldKV(ScorerPress):
 
 
 @dataclass
+class WindowedManifoldKV(ManifoldKV):
+    """WindowedManifoldKV: ManifoldKV with per-window centroids, 4096-token windows by default (the paper's 64K fix)."""
+
+    window_size: int | None = 4096
+
+
+@dataclass
 class KeyDiff(ScorerPress):
     """KeyDiff (arXiv 2504.15364): s_i = -cos(k_i, mean_j k_j/||k_j||); evicts keys most similar to the anchor."""
 
@@ -325,7 +333,7 @@ class Block(Press):
         return _gather(keys, kept), _gather(values, kept)
 
 
-SCORERS = {"manifoldkv": ManifoldKV, "keydiff": KeyDiff, "knorm": KNorm, "snapkv": SnapKV,
+SCORERS = {"manifoldkv": ManifoldKV, "windowed_manifoldkv": WindowedManifoldKV, "keydiff": KeyDiff, "knorm": KNorm, "snapkv": SnapKV,
            "streaming": StreamingLLM, "random": Random}
 WRAPPERS = {"adakv": AdaKV, "block": Block}
 

@@ -12,7 +12,7 @@ Logged: ``test/accuracy`` (mean over task x length cells), ``test/acc/<task>/<le
 per-(layer, head) retained fraction (the budgets AdaKV hands out) and a few predictions.
 
 Switches (``model.press``, plain data for ``kv_press.build_press``):
-    name: manifoldkv | keydiff | knorm | snapkv | streaming | random
+    name: manifoldkv | windowed_manifoldkv | keydiff | knorm | snapkv | streaming | random
     compression_ratio: fraction of KV pairs removed (paper: 0.2 on RULER 4K-16K, 0.4/0.5 multi-key, 0.25 at 64K)
     wrapper: adakv (the paper's numbers are with Ada-KV) | block (KeyDiff's block-wise prefill) | null
     window_size: null = global centroid (ManifoldKV); int = WindowedManifoldKV (paper: 4096)
