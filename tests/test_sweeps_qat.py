@@ -125,7 +125,7 @@ def test_minimal_2x2x2_sweep_through_multirun_collect_fit_plot(tmp_path):
            "backbone=llama_qat_t150k,llama_qat_t300k", "trainer.max_steps=8,16",
            "model.group_sizes=[16],[128],[48]", "model.precisions=[fp,w3a3]",
            "data.seq_len=64", "data.batch_size=4", "data.max_val_sequences=8", "model.scheduler.warmup_steps=2",
-           "callbacks.progress_bar=null", "callbacks.lr_monitor=null", "logger=none", "debug=smoke",
+           "callbacks.progress_bar=null", "callbacks.lr_monitor=null", "logger=none",
            f"paths.log_dir={tmp_path}", "hydra.sweep.dir=" + str(tmp_path / "multirun")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert "8 ok, 4 failed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
