@@ -1,0 +1,96 @@
+"""WaterSIC end to end on the cached tiny pretrained model: the experiment, the driver at 2/3/4 bits, and
+sequential mode's first group equal to plain mode's."""
+import copy
+import math
+
+import pytest
+import torch
+
+from tests.helpers import run_experiment
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tiny_lm_dir):
+    from transformers import AutoModelForCausalLM
+
+    from datamodules.common.tokenizer import load_tokenizer
+    from datamodules.text import TextDataModule
+
+    dm = TextDataModule(load_tokenizer(pretrained=str(tiny_lm_dir)), seq_len=128)
+    dm.setup()
+    calib = [{"input_ids": torch.stack([dm.train_set[i]["input_ids"] for i in range(8)])}]
+    evals = {"input_ids": torch.stack([dm.val_set[i]["input_ids"] for i in range(8)])}
+    return AutoModelForCausalLM.from_pretrained(str(tiny_lm_dir)).eval(), calib, evals
+
+
+def test_watersic_tiny_smoke(tmp_path, tiny_lm_dir):
+    value, metrics = run_experiment("watersic_tiny", tmp_path, ["debug=smoke", "model.n_calib=8", "model.with_limit=false"])
+    assert metrics["status"] == "ok"
+    final = metrics["final"]
+    assert abs(final["quant/bits"] - 3.0) < 0.01          # global rate control lands on the budget
+    assert final["quant/bits_column"] < final["quant/bits_pooled"]
+    assert 0 < value == final["test/kl_bits"] < 0.1 and math.isfinite(final["test/ppl"])
+    assert final["test/ppl"] > 0.99 * final["test/ppl_fp"]
+    layers = metrics["results"]["layers"]
+    assert len(layers) == 4 * 7 and not any("lm_head" in r["layer"] or "embed" in r["layer"] for r in layers)
+    assert not (tmp_path / "checkpoints" / "last.ckpt").exists()  # task=test quantizes in place, writes no checkpoint
+
+
+def test_driver_perplexity_rises_as_bits_fall(tiny_setup):
+    from lightning_modules.common.quantize import WaterSIC
+    from lightning_modules.common.quantize.driver import quantize_model
+    from lightning_modules.common.quantize.module import nll_and_kl
+
+    base, calib, evals = tiny_setup
+    ppl, kl = {}, {}
+    rates = {}
+    for bits in (4, 3, 2):  # nominal r, no secant search (the search is tested on its own), to stay fast
+        model = copy.deepcopy(base)
+        rep = quantize_model(model, WaterSIC(rescalers=False, target_rate=False), calib, bits, with_limit=False, log=None)
+        rates[bits] = rep["summary"]["bits"]
+        nll_q, _, kl_sum, n_tok, n_pos = nll_and_kl(model, base, evals)
+        ppl[bits], kl[bits] = math.exp(nll_q / n_tok), float(kl_sum / n_pos)
+    assert rates[2] < rates[3] < rates[4]
+    assert ppl[2] > ppl[3] > ppl[4] and kl[2] > kl[3] > kl[4] > 0
+
+
+def test_module_kl_matches_shared_evaluator(tiny_setup):
+    from lightning_modules.common.evaluation import kl_bits_per_token
+    from lightning_modules.common.quantize import RTN
+    from lightning_modules.common.quantize.driver import quantize_model
+    from lightning_modules.common.quantize.module import nll_and_kl
+
+    base, calib, evals = tiny_setup
+    model = copy.deepcopy(base)
+    quantize_model(model, RTN(), calib, 2, with_limit=False, log=None)
+    _, _, kl_sum, _, n_pos = nll_and_kl(model, base, evals)
+    assert float(kl_sum / n_pos) == pytest.approx(kl_bits_per_token(model, base, evals["input_ids"]), rel=1e-4)
+
+
+def test_sequential_first_group_equals_plain(tiny_setup):
+    """The first group's inputs come from an unquantized prefix, so Qronos statistics reduce to plain ones there."""
+    from lightning_modules.common.quantize import GPTQ
+    from lightning_modules.common.quantize.driver import linear_groups, quantize_model
+
+    base, calib, _ = tiny_setup
+    calib = [{"input_ids": calib[0]["input_ids"][:2]}]
+    first = [n for n, _ in linear_groups(base, calib[0])[0]]
+    assert first == [f"model.layers.0.self_attn.{p}_proj" for p in "qkv"]
+    plain, seq = copy.deepcopy(base), copy.deepcopy(base)
+    quantize_model(plain, GPTQ(), calib, 3, mode="plain", with_limit=False, log=None)
+    rep = quantize_model(seq, GPTQ(), calib, 3, mode="sequential", reference=base, with_limit=False, log=None)
+    mods_p, mods_s = dict(plain.named_modules()), dict(seq.named_modules())
+    for name in first:
+        assert torch.allclose(mods_p[name].weight, mods_s[name].weight)
+    # later layers see the quantized model's inputs, so they differ
+    assert not torch.equal(mods_p["model.layers.3.mlp.down_proj"].weight, mods_s["model.layers.3.mlp.down_proj"].weight)
+    assert len(rep["layers"]) == 28
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gptq_tiny", "rtn_tiny"])
+def test_baseline_tiny_experiments(tmp_path, tiny_lm_dir, name):
+    value, metrics = run_experiment(name, tmp_path)
+    final = metrics["final"]
+    assert metrics["status"] == "ok" and final["quant/bits_cardinality"] == pytest.approx(3 + 16 / 128, abs=0.3)
+    assert final["test/kl_bits"] > 0 and final["test/ppl"] > 0.99 * final["test/ppl_fp"]
