@@ -244,3 +244,24 @@ def test_build_press_errors_name_the_fix():
     p = build_press("manifoldkv", 0.2, wrapper="adakv", window_size=4096, alpha_safeguard=0.3, n_sink=4)
     assert isinstance(p, AdaKV) and p.press.window_size == 4096 and p.alpha_safeguard == 0.3
     assert isinstance(build_press("random", 0.2, seed=3), Random)
+
+
+def test_pre_rope_variant_scores_the_unrotated_keys(model, ids):
+    """pre_rope=True undoes the rotation exactly: on cached (rotated) keys it equals ManifoldKV on the raw k_proj keys."""
+    context, _ = ids
+    attn = model.model.layers[1].self_attn
+    captured = {}
+    h = attn.register_forward_hook(lambda m, a, kw, o: captured.update(kw=kw), with_kwargs=True)
+    cache = prefill(model, context, KNorm(0.0))
+    h.remove()
+    kw = captured["kw"]
+    raw = attn.k_proj(kw["hidden_states"]).view(1, L_CTX, 2, 16).transpose(1, 2)
+    rotated = cache.layers[1].keys
+    assert not torch.allclose(rotated, raw, atol=1e-3)
+    pre = ManifoldKV(0.5, pre_rope=True).score(attn, kw["hidden_states"], rotated, rotated, kw)
+    torch.testing.assert_close(pre, ManifoldKV(0.5).score(attn, None, raw, raw, {}), atol=1e-4, rtol=1e-4)
+    # inside Block every scored key is unrotated with its own position
+    blocked = prefill(model, context, Block(press=ManifoldKV(0.5, pre_rope=True), block_size=64))
+    plain = prefill(model, context, ManifoldKV(0.5, pre_rope=True))
+    assert torch.equal(blocked.layers[1].keys, plain.layers[1].keys)
+    prefill(model, context, Block(press=ManifoldKV(0.5, pre_rope=True), block_size=8))  # partial blocks run

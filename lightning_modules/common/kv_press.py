@@ -158,16 +158,31 @@ class ScorerPress(Press):
 
 
 # --- scorers -------------------------------------------------------------------------------------------
+def unrotate(keys: torch.Tensor, kwargs) -> torch.Tensor:
+    """Undo rotary embedding on cached keys: k = k_rot cos - rotate_half(k_rot) sin (rotation by -theta).
+    Uses ``key_position_embeddings`` (per head, set by Block) or the layer's ``position_embeddings``."""
+    pe = kwargs.get("key_position_embeddings") or kwargs.get("position_embeddings")
+    if pe is None:
+        raise ValueError("pre_rope=True needs the layer's position_embeddings (a RoPE model)")
+    cos, sin = pe
+    if cos.dim() == 3:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return keys * cos - _rotate_half(keys) * sin
+
+
 @dataclass
 class ManifoldKV(ScorerPress):
     """ManifoldKV (Datta et al., ICML 2026, arXiv 2602.08343): s_i = ||k_i - mu||_2, mu the mean of the raw keys
     per (batch, KV head). ``window_size=None``: one global centroid; an int: WindowedManifoldKV, mu per consecutive
-    non-overlapping window of that many tokens (the last window may be shorter); the paper uses 4096."""
+    non-overlapping window of that many tokens (the last window may be shorter); the paper uses 4096.
+    ``pre_rope``: score the keys before rotary embedding (a variant a reproduction tried); default False = the
+    post-RoPE cache keys kvpress hands to every press (the spec's [INF], sources silent)."""
 
     window_size: int | None = None
+    pre_rope: bool = False
 
     def score(self, module, hidden_states, keys, values, kwargs):
-        k = keys.float()
+        k = (unrotate(keys, kwargs) if self.pre_rope else keys).float()
         if self.window_size is None or self.window_size >= k.shape[-2]:
             return (k - k.mean(dim=-2, keepdim=True)).norm(dim=-1)
         if self.window_size <= 0:
@@ -325,8 +340,10 @@ class Block(Press):
             block = torch.arange(start, end, device=keys.device).expand(B, H, -1)
             idx = torch.cat([kept, block], dim=-1)
             sub_kwargs = dict(kwargs)
-            if cos is not None:
+            if cos is not None:  # the block's own (queries, SnapKV) and every scored key's (pre-RoPE ManifoldKV)
                 sub_kwargs["position_embeddings"] = (cos[:, start:end], sin[:, start:end])
+                sub_kwargs["key_position_embeddings"] = tuple(
+                    _gather(t.unsqueeze(1).expand(B, H, -1, -1), idx) for t in (cos, sin))
             scores = self.press.score(module, hidden_states[:, start:end], _gather(keys, idx), _gather(values, idx), sub_kwargs)
             top = scores.topk(min(n_kept, idx.shape[-1]), dim=-1).indices
             kept = idx.gather(-1, top).sort(dim=-1).values

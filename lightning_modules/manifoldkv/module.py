@@ -16,6 +16,7 @@ Switches (``model.press``, plain data for ``kv_press.build_press``):
     compression_ratio: fraction of KV pairs removed (paper: 0.2 on RULER 4K-16K, 0.4/0.5 multi-key, 0.25 at 64K)
     wrapper: adakv (the paper's numbers are with Ada-KV) | block (KeyDiff's block-wise prefill) | null
     window_size: null = global centroid (ManifoldKV); int = WindowedManifoldKV (paper: 4096)
+    pre_rope: false = post-RoPE cache keys (kvpress hook, the default); true = keys with the rotation undone
     alpha_safeguard (AdaKV, 0.2), block_size (Block), snap_window / kernel_size (SnapKV), n_sink (StreamingLLM)
 Keys are the post-RoPE cached keys (the spec's [INF]; the sources are silent).
 """
