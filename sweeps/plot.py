@@ -50,7 +50,8 @@ def plot_report(table: pd.DataFrame, report: dict, path, wandb_key: str = "qat_l
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    precisions = [p for p in sorted(table["precision"].unique()) if p != "fp"]
+    order = {"w4a4": 0, "w4a16": 1, "w16a4": 2, "w4a4_fc2a8": 3}
+    precisions = sorted((p for p in table["precision"].unique() if p != "fp"), key=lambda p: (order.get(p, 9), p))
     chin = report["fits"].get("fp (chinchilla)")
     panels = len(precisions) + 1
     fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.8), squeeze=False)
