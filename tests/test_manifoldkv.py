@@ -65,6 +65,19 @@ def test_encode_appends_question_and_answer_prefix_after_the_context(tok):
     assert e["context_ids"].numel() + e["question_ids"].numel() <= 302
 
 
+def test_chat_template_keeps_the_question_after_the_compressed_context(tok):
+    import copy
+
+    chat = copy.deepcopy(tok)
+    chat.chat_template = ("{% for m in messages %}<user>{{ m['content'] }}</user>{% endfor %}"
+                          "{% if add_generation_prompt %}<assistant>{% endif %}")
+    s = ruler_sample("niah_single", tok, 300, 0)
+    e = encode(s, chat, chat_template=True)
+    context, question = chat.decode(e["context_ids"]), chat.decode(e["question_ids"])
+    assert context.startswith("<user>") and s["question"] not in context and s["outputs"][0] in context
+    assert question == s["question"] + "</user><assistant>" + s["answer_prefix"]
+
+
 def test_real_ruler_files_load_and_bad_files_name_the_fix(tmp_path, tok):
     rec = {"context": "The code is 123.", "question": " What is the code?", "answer_prefix": " The code is",
            "answer": ["123"], "task": "qa_1", "max_new_tokens": 8}
