@@ -140,6 +140,12 @@ class RLModule(CausalLMModule):
 
     def _step(self) -> float:
         opt = self.optimizers()
+        if "DeepSpeed" in type(self.trainer.strategy).__name__:
+            # ZeRO partitions gradients: the engine clips (its config's gradient_clipping) and steps
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            engine = self.trainer.strategy.model
+            return float(getattr(engine, "get_global_grad_norm", lambda: 0.0)() or 0.0)
         params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or float("inf")) if params else torch.zeros(())
         opt.step()
