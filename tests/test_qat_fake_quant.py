@@ -134,3 +134,27 @@ def test_quantize_model_swaps_linears_keeps_embeddings_and_head_and_applies_over
     assert not torch.allclose(before, after) and torch.isfinite(after).all()
     with pytest.raises(ValueError, match="unknown fields"):
         quantize_model(build_backbone(spec), {"overrides": {"*": {"bitz": 3}}})
+
+
+def test_planted_outlier_channel_drives_a4_error_and_a8_removes_it():
+    """The paper's FC2 finding as a mechanism: one large-magnitude input channel inflates every per-token group
+    scale it sits in, so 4-bit activations lose the other channels; 8 bits on that layer keeps them."""
+    torch.manual_seed(4)
+    lin = nn.Linear(64, 32, bias=False)
+    x = torch.randn(16, 64)
+    x_out = x.clone()
+    x_out[:, 5] *= 60.0  # an outlier channel, as in the FC2 (down-projection) input
+    rest = x_out.clone()
+    rest[:, 5] = 0
+    scale_plain, scale_rest = lin(x).norm(), lin(rest).norm()  # the output carried by the ordinary channels
+
+    def err(a_bits, inp, norm):
+        layer = FakeQuantLinear.from_linear(lin, QuantSpec(w_bits=16, a_bits=a_bits, group_size=64))
+        with torch.no_grad():
+            return float((layer(inp) - lin(inp)).norm() / norm)
+
+    e4_plain, e4_out, e8_out = err(4, x, scale_plain), err(4, x_out, scale_rest), err(8, x_out, scale_rest)
+    assert e4_out > 0.6 and e4_plain < 0.2  # the outlier costs the ordinary channels most of their signal
+    assert e8_out < e4_out / 5 and e8_out < 2 * e4_plain  # FC2-A8: back to the outlier-free A4 level
+    xq4 = fake_quant(x_out, 4, 64)          # most ordinary channels round to zero under the outlier's scale
+    assert torch.count_nonzero(xq4[:, torch.arange(64) != 5]) < 0.3 * 16 * 63
