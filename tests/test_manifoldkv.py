@@ -5,7 +5,6 @@ import re
 from collections import Counter
 
 import pytest
-import torch
 
 from datamodules.ruler import TASKS, RulerDataModule, encode, load_ruler_files, ruler_sample
 
