@@ -94,3 +94,18 @@ def test_baseline_tiny_experiments(tmp_path, tiny_lm_dir, name):
     final = metrics["final"]
     assert metrics["status"] == "ok" and final["quant/bits_cardinality"] == pytest.approx(3 + 16 / 128, abs=0.3)
     assert final["test/kl_bits"] > 0 and final["test/ppl"] > 0.99 * final["test/ppl_fp"]
+
+
+@pytest.mark.parametrize("name", ["watersic_tiny", "gptq_tiny", "rtn_tiny", "watersic_llama32_1b", "watersic_llama2_7b",
+                                  "watersic_qwen3_8b", "gptq_llama32_1b"])
+def test_experiments_compose_and_instantiate(name, tmp_path):
+    from hydra.utils import instantiate
+
+    from tests.helpers import compose
+
+    cfg = compose(name, [], output_dir=tmp_path)
+    module = instantiate(cfg.model, _convert_="all")  # checks the quantizer's keyword arguments; no backbone built
+    assert module.model is None and cfg.task == "test"
+    if not name.endswith("_tiny"):
+        assert cfg.data.seq_len == 2048 and cfg.model.eval_files.endswith("wiki.test.txt")
+        assert cfg.model.mode == "sequential"

@@ -77,8 +77,11 @@ def _summary(rows: list[dict]) -> dict:
 @torch.no_grad()
 def quantize_model(model, quantizer: Quantizer, batches: list[dict], rate: float, mode: str = "plain",
                    rate_control: bool = False, reference=None, exclude: Iterable[str] = (),
-                   with_limit: bool = True, log=print) -> dict:
-    """Quantize ``model`` in place; returns {"layers": [...], "summary": {...}}."""
+                   with_limit: bool = True, stats_device: str | None = None, log=print) -> dict:
+    """Quantize ``model`` in place; returns {"layers": [...], "summary": {...}}.
+
+    ``stats_device``: where plain mode keeps its float64 Σ accumulators (e.g. ``cpu`` when all layers' Σ do not fit
+    beside the model); each layer's Σ is moved to the weight's device when it is quantized."""
     if mode not in MODES:
         raise ValueError(f"quantize mode={mode!r}: use one of {MODES}")
     if not batches:
@@ -90,7 +93,7 @@ def quantize_model(model, quantizer: Quantizer, batches: list[dict], rate: float
         rows: list[dict] = []
         plain_stats = {}
         if mode == "plain":
-            with MomentCollector({g[0][0]: g[0][1] for g in groups}) as col:
+            with MomentCollector({g[0][0]: g[0][1] for g in groups}, device=stats_device) as col:
                 for b in batches:
                     run_batch(model, b)
             plain_stats = {k: LayerStats(v, tokens=col.counts[k]) for k, v in col.moments().items()}
@@ -99,7 +102,11 @@ def quantize_model(model, quantizer: Quantizer, batches: list[dict], rate: float
             ref_modules = dict(reference.named_modules())
         for group in groups:
             key = group[0][0]
-            stats = plain_stats[key] if mode == "plain" else _sequential_stats(model, reference, ref_modules, group, batches)
+            if mode == "plain":
+                dev = group[0][1].weight.device
+                stats = LayerStats(plain_stats.pop(key).sigma.to(dev), tokens=0)
+            else:
+                stats = _sequential_stats(model, reference, ref_modules, group, batches)
             for name, mod in group:
                 target = rate
                 if rate_control and quantizer.fractional_rate:

@@ -10,6 +10,7 @@ Perplexity is exp of the mean NLL over fixed-length non-overlapping sequences, a
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any, Mapping
 
 import torch
@@ -28,13 +29,17 @@ class QuantizeLMModule(CausalLMModule):
         rate_control: one global budget over all layers (fractional-rate methods only).
         n_calib / calib_batch_size / calib_seed: calibration sequences from the training split.
         kl: also evaluate the full-precision reference (``test/ppl_fp``, ``test/kl_bits``).
+        stats_device: where plain mode keeps all layers' Σ (``cpu`` at paper scale); null = the model's device.
         with_limit: compute each layer's Gaussian R(D) at its achieved distortion (``quant/rd_limit``).
+        eval_files: a held-out text file (e.g. WikiText-2 test): also report ``eval/ppl``, ``eval/ppl_fp`` and
+            ``eval/kl_bits`` over its non-overlapping ``eval_seq_len`` chunks (documents joined with EOS).
     """
 
     def __init__(self, backbone: Mapping[str, Any], method: str = "watersic", quantizer: Mapping[str, Any] | None = None,
                  rate: float = 3.0, mode: str = "plain", rate_control: bool = True, n_calib: int = 32,
                  calib_batch_size: int = 8, calib_seed: int = 0, kl: bool = True, with_limit: bool = True,
-                 optimizer=None, scheduler=None, weight_decay: float = 0.0):
+                 eval_files: str | None = None, eval_text_field: str = "text", eval_seq_len: int = 2048,
+                 eval_batch_size: int = 4, stats_device: str | None = None, optimizer=None, scheduler=None, weight_decay: float = 0.0):
         super().__init__(backbone, optimizer=optimizer, scheduler=scheduler, weight_decay=weight_decay)
         self.quantizer_kwargs = _plain(quantizer or {})
         self.hparams["quantizer"] = self.quantizer_kwargs
@@ -42,6 +47,9 @@ class QuantizeLMModule(CausalLMModule):
         self.method, self.rate, self.mode, self.rate_control = method, rate, mode, rate_control
         self.n_calib, self.calib_batch_size, self.calib_seed = n_calib, calib_batch_size, calib_seed
         self.kl, self.with_limit = kl, with_limit
+        self.eval_files, self.eval_text_field = eval_files, eval_text_field
+        self.eval_seq_len, self.eval_batch_size = eval_seq_len, eval_batch_size
+        self.stats_device = stats_device
         self._reference: list = []  # a list, so the copy is not registered as a submodule (or checkpointed)
         self.quantized = False
         self.results: dict = {}
@@ -67,7 +75,7 @@ class QuantizeLMModule(CausalLMModule):
             self._reference = [copy.deepcopy(self.model).eval().requires_grad_(False)]
         report = quantize_model(self.model, build_quantizer(self.method, **self.quantizer_kwargs), batches, self.rate,
                                 mode=self.mode, rate_control=self.rate_control, reference=self.reference,
-                                with_limit=self.with_limit)
+                                with_limit=self.with_limit, stats_device=self.stats_device)
         self.quantized = True
         self.results = {"quantization": {"method": self.method, "mode": self.mode, "target_rate": self.rate,
                                          **report["summary"]}, "layers": report["layers"]}
@@ -99,10 +107,31 @@ class QuantizeLMModule(CausalLMModule):
         if self.reference is not None and self.kl:
             self.log("test/ppl_fp", torch.exp(self._fp_sum / self._val_count.clamp_min(1)).float())
             self.log("test/kl_bits", (self._kl_sum / self._kl_pos.clamp_min(1)).float())
+        if self.eval_files:
+            for k, v in self.evaluate_files().items():
+                self.log(k, v)
         for key in ("bits", "bits_pooled", "bits_column", "bits_cardinality", "rd_limit", "rel_mse"):
             val = self.results.get("quantization", {}).get(key)
             if val is not None:
                 self.log(f"quant/{key}", float(val))
+
+    @torch.no_grad()
+    def evaluate_files(self) -> dict[str, float]:
+        from datamodules.common.loaders import local_documents
+        from datamodules.text import tokenize_documents
+
+        tokens = tokenize_documents(local_documents(self.eval_files, self.eval_text_field), self.trainer.datamodule.tokenizer)
+        n = len(tokens) // self.eval_seq_len
+        if n == 0:
+            raise ValueError(f"model.eval_files={self.eval_files!r} holds fewer than eval_seq_len={self.eval_seq_len} tokens")
+        chunks = torch.from_numpy(tokens[: n * self.eval_seq_len].astype("int64")).view(n, self.eval_seq_len)
+        tot = torch.zeros(5, dtype=torch.float64, device=self.device)
+        ref = self.reference if self.reference is not None else self.model
+        for i in range(0, n, self.eval_batch_size):
+            out = nll_and_kl(self.model, ref, {"input_ids": chunks[i:i + self.eval_batch_size].to(self.device)})
+            tot += torch.stack([v.to(tot) for v in out])
+        nll_q, nll_fp, kl, n_tok, n_pos = tot.tolist()
+        return {"eval/ppl": math.exp(nll_q / n_tok), "eval/ppl_fp": math.exp(nll_fp / n_tok), "eval/kl_bits": kl / n_pos}
 
 
 @torch.no_grad()
