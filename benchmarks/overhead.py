@@ -74,7 +74,7 @@ class StepTimer:
                 if trainer.global_step == steps:
                     self.t1 = time.perf_counter()
                     loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-                    self.loss = float(loss)
+                    self.loss = float(loss.detach()) if hasattr(loss, "detach") else float(loss)
 
         self.callback = _Timer()
         self.t0 = self.t1 = self.loss = None
@@ -148,7 +148,7 @@ def run_plain(steps: int, warmup: int) -> tuple[float, float]:
             if step == warmup:
                 t0 = time.perf_counter()
             if step == steps:
-                loss = float(out_.loss)
+                loss = out_.loss.item()
                 break
         t1 = time.perf_counter()
     return (t1 - t0) / (steps - warmup), loss
