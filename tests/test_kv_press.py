@@ -265,3 +265,15 @@ def test_pre_rope_variant_scores_the_unrotated_keys(model, ids):
     plain = prefill(model, context, ManifoldKV(0.5, pre_rope=True))
     assert torch.equal(blocked.layers[1].keys, plain.layers[1].keys)
     prefill(model, context, Block(press=ManifoldKV(0.5, pre_rope=True), block_size=8))  # partial blocks run
+
+
+def test_distance_ablation_variants_match_their_formulas():
+    keys = torch.randn(2, 3, 30, 8, generator=torch.Generator().manual_seed(5))
+    diff = keys - keys.mean(dim=-2, keepdim=True)
+    torch.testing.assert_close(_score(ManifoldKV(0.5, distance="l1"), keys), diff.abs().sum(-1))
+    torch.testing.assert_close(_score(ManifoldKV(0.5, distance="linf"), keys), diff.abs().max(-1).values)
+    mu = keys.mean(dim=-2, keepdim=True)
+    cos = (keys * mu).sum(-1) / (keys.norm(dim=-1) * mu.norm(dim=-1))
+    torch.testing.assert_close(_score(ManifoldKV(0.5, distance="cosine"), keys), -cos)
+    with pytest.raises(ValueError, match="choose l2"):
+        _score(ManifoldKV(0.5, distance="l3"), keys)

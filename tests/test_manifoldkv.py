@@ -159,6 +159,7 @@ def test_paper_scale_experiments_compose_with_the_papers_settings():
 @pytest.mark.parametrize("sweep,experiment,n_jobs", [("manifoldkv_ruler", "manifoldkv_llama31_8b", 60),
                                                      ("manifoldkv_multikey", "manifoldkv_qwen3_8b", 4),
                                                      ("manifoldkv_64k", "manifoldkv_llama31_8b", 8),
+                                                     ("manifoldkv_distance", "manifoldkv_llama31_8b", 4),
                                                      ("manifoldkv_tiny_grid", "manifoldkv_tiny", 24)])
 def test_sweeps_parse_and_every_job_composes_to_a_valid_press(sweep, experiment, n_jobs):
     import itertools

@@ -17,6 +17,7 @@ Switches (``model.press``, plain data for ``kv_press.build_press``):
     wrapper: adakv (the paper's numbers are with Ada-KV) | block (KeyDiff's block-wise prefill) | null
     window_size: null = global centroid (ManifoldKV); int = WindowedManifoldKV (paper: 4096)
     pre_rope: false = post-RoPE cache keys (kvpress hook, the default); true = keys with the rotation undone
+    distance: l2 (the method) | l1 | linf | cosine: the paper's distance ablation (cosine 52.8, Linf 71.2, L1 78.5, L2 92.7)
     alpha_safeguard (AdaKV, 0.2), block_size (Block), snap_window / kernel_size (SnapKV), n_sink (StreamingLLM)
 Keys are the post-RoPE cached keys (the spec's [INF]; the sources are silent).
 """
