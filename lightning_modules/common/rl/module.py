@@ -23,6 +23,7 @@ gradient norm.
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any, Callable, Mapping
 
 import torch
@@ -34,13 +35,39 @@ from lightning_modules.common.rl.rewards import exact_match_reward
 from lightning_modules.common.rl.rollouts import Rollouts, batched_logprobs, generate_rollouts, response_logprobs
 
 
+class SavedBytes:
+    """Counts bytes of the tensors autograd saves for backward inside the block (activation memory of one
+    forward; works on CPU, where a process's peak RSS cannot show it). Off: a no-op."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled, self.bytes, self._ctx, self._seen = enabled, 0, None, set()
+
+    def _pack(self, t):
+        key = (t.untyped_storage().data_ptr(), t.dtype)
+        if key not in self._seen:  # count each storage once (views and re-saves share it)
+            self._seen.add(key)
+            self.bytes += t.untyped_storage().nbytes()
+        return t
+
+    def __enter__(self):
+        if self.enabled:
+            self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+            self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+        return False
+
+
 class RLModule(CausalLMModule):
     def __init__(self, backbone: Mapping[str, Any], optimizer: Callable | None = None, scheduler: Callable | None = None,
                  weight_decay: float = 0.0, advantage: str = "grpo", aggregation: str = "seq_mean", group_size: int = 8,
                  max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0, ppo_epochs: int = 1,
                  minibatches: int = 1, micro_batch_size: int = 8, eps_low: float = 0.2, eps_high: float = 0.2,
                  beta: float = 0.0, max_grad_norm: float | None = 1.0, warmup: Mapping[str, Any] | None = None,
-                 val_max_new_tokens: int | None = None):
+                 val_max_new_tokens: int | None = None, measure_activations: bool = False):
         super().__init__(backbone, optimizer, scheduler, weight_decay)
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"model.aggregation={aggregation!r}: choose one of {', '.join(AGGREGATIONS)}")
@@ -53,6 +80,7 @@ class RLModule(CausalLMModule):
         self.eps_low, self.eps_high, self.beta, self.max_grad_norm = eps_low, eps_high, beta, max_grad_norm
         self.warmup = _plain(warmup) if warmup else None
         self.val_max_new_tokens = val_max_new_tokens or max_new_tokens
+        self.measure_activations = measure_activations
         self.hparams["warmup"] = self.warmup
         self.tokenizer = None
         self._ref = None  # π_ref, kept out of the module tree: not trained, not checkpointed
@@ -107,7 +135,7 @@ class RLModule(CausalLMModule):
         ref = self.reference()
         logp_ref = batched_logprobs(ref, ro, need, self.micro_batch_size, self.temperature) if ref is not None else None
         N, lengths = len(ro), ro.lengths
-        stats = {k: 0.0 for k in ("loss", "clipped", "kept", "kl_ref", "kl_old", "grad_norm", "steps")}
+        stats = {k: 0.0 for k in ("loss", "clipped", "kept", "kl_ref", "kl_old", "grad_norm", "steps", "saved_bytes")}
         gen = torch.Generator().manual_seed(int(self.global_step) * 7 + 1)
         for epoch in range(self.ppo_epochs):
             kept, weights = plans[epoch]
@@ -120,12 +148,14 @@ class RLModule(CausalLMModule):
                     n = int(kept[rows].max())
                     if n == 0:
                         continue
-                    logp = response_logprobs(self.model, ro.input_ids[rows], ro.attention_mask[rows], ro.prompt_len, n,
-                                             self.temperature)
-                    w = weights[rows, :n]
-                    loss, st = policy_loss(logp, logp_old[rows, :n], ro.advantages[rows], w, d,
-                                           logp_ref[rows, :n] if logp_ref is not None else None, self.beta,
-                                           self.eps_low, self.eps_high)
+                    with SavedBytes(self.measure_activations) as saved:
+                        logp = response_logprobs(self.model, ro.input_ids[rows], ro.attention_mask[rows], ro.prompt_len,
+                                                 n, self.temperature)
+                        w = weights[rows, :n]
+                        loss, st = policy_loss(logp, logp_old[rows, :n], ro.advantages[rows], w, d,
+                                               logp_ref[rows, :n] if logp_ref is not None else None, self.beta,
+                                               self.eps_low, self.eps_high)
+                    stats["saved_bytes"] = max(stats["saved_bytes"], saved.bytes)
                     self.manual_backward(loss)
                     total += float(loss.detach())
                     stats["clipped"] += float(st["clipped"])
@@ -156,9 +186,12 @@ class RLModule(CausalLMModule):
         return float(norm)
 
     def training_step(self, batch, batch_idx):
+        t0 = time.perf_counter()
         ro = self.rollout(batch)
+        t1 = time.perf_counter()
         plans = [self.token_weights(ro, e) for e in range(self.ppo_epochs)]
         st = self.update(ro, plans)
+        t2 = time.perf_counter()
         steps = max(1.0, st["steps"])
         kept_tokens = sum(float(k.sum()) for k, _ in plans)
         full_tokens = float(ro.lengths.sum()) * self.ppo_epochs
@@ -172,7 +205,11 @@ class RLModule(CausalLMModule):
                "train/tokens_backprop": kept_tokens, "train/tokens_full": full_tokens,
                "train/tokens_ratio": kept_tokens / max(1.0, full_tokens),
                "train/prompt_tokens": float(ro.prompt_lengths.sum()) * self.ppo_epochs,
-               "train/max_weight": max_w}
+               "train/max_weight": max_w, "train/rollout_s": t1 - t0, "train/update_s": t2 - t1}
+        if self.measure_activations:  # peak bytes saved for backward by one micro-batch (CPU-countable)
+            log["train/saved_act_mb"] = st["saved_bytes"] / 2**20
+        if torch.cuda.is_available() and self.device.type == "cuda":
+            log["train/peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if self.beta:
             log["train/kl_ref"] = st["kl_ref"] / max(1.0, st["kept"])
         self.log_dict(log, on_step=True, on_epoch=False, prog_bar=False, batch_size=len(ro))
