@@ -142,12 +142,12 @@ def nll_and_kl(model, reference, batch) -> tuple[torch.Tensor, ...]:
     from lightning_modules.common.evaluation import LN2
 
     x = batch["input_ids"]
-    lq = torch.log_softmax(model(input_ids=x, use_cache=False).logits.double(), -1)
-    lp = torch.log_softmax(reference(input_ids=x, use_cache=False).logits.double(), -1)
-    kl = (lp.exp() * (lp - lq)).sum(-1).sum() / LN2
+    lq = torch.log_softmax(model(input_ids=x, use_cache=False).logits.float(), -1)
+    lp = torch.log_softmax(reference(input_ids=x, use_cache=False).logits.float(), -1)
+    kl = (lp.exp() * (lp - lq)).sum(-1).double().sum() / LN2
     labels = batch.get("labels", x)[:, 1:]
     mask = labels != -100
     idx = labels.clamp_min(0).unsqueeze(-1)
-    nll_q = -(lq[:, :-1].gather(-1, idx).squeeze(-1) * mask).sum()
-    nll_fp = -(lp[:, :-1].gather(-1, idx).squeeze(-1) * mask).sum()
+    nll_q = -(lq[:, :-1].gather(-1, idx).squeeze(-1).double() * mask).sum()
+    nll_fp = -(lp[:, :-1].gather(-1, idx).squeeze(-1).double() * mask).sum()
     return nll_q, nll_fp, kl, mask.sum().double(), torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)
