@@ -136,3 +136,15 @@ def test_seeds_get_their_own_run_dirs():
     assert dirs[1].endswith("lm_tiny/seed=1")
     # ckpt_path (resuming) and the launcher do not change the dir: a rerun finds its own checkpoint
     assert OmegaConf.select(compose("lm_tiny", ["seed=1", "ckpt_path=last"]), "hydra.run.dir") == dirs[1]
+
+
+def test_long_override_lists_get_a_bounded_deterministic_dir_name():
+    from lightning_modules.common.runner import run_dirname
+
+    long_a = ",".join(f"trainer.strategy.option_{i}=value_{i}" for i in range(20))
+    long_b = long_a.replace("value_19", "value_xx")
+    a, b = run_dirname(long_a), run_dirname(long_b)
+    assert len(a.encode()) <= 160 and len(b.encode()) <= 160  # a file name holds at most 255 bytes
+    assert a == run_dirname(long_a) and a != b  # the same command finds its dir; another never shares it
+    assert run_dirname("") == "default"
+    assert run_dirname("data.files=/x/y.jsonl,seed=1") == "data.files=_x_y.jsonl,seed=1"  # one dir level
