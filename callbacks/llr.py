@@ -113,10 +113,24 @@ def full_weight(weight: torch.Tensor):
     yield weight
 
 
+@contextmanager
+def cpu_threads(n: int | None):
+    """Run the CPU SVDs on ``n`` threads: LAPACK's SVD gains little from threads at these sizes, and on a
+    busy machine its OpenMP spin-waits make a 2-thread SVD 100-400x slower than a 1-thread one."""
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def module_alphas(weights: Mapping[str, tuple[torch.Tensor, bool]], min_eigs: int = 50,
-                  esd_dtype: torch.dtype = torch.float32) -> dict[str, float]:
+                  esd_dtype: torch.dtype = torch.float32, svd_threads: int | None = 1) -> dict[str, float]:
     """α per module from ``{name: (weight, is_edge)}``: edges get the largest α of the others (their spectra
-    are not needed, so not computed); modules with fewer than ``min_eigs`` eigenvalues get nan (dropped)."""
+    are not needed, so not computed); modules with fewer than ``min_eigs`` eigenvalues get nan (dropped).
+    ``svd_threads`` caps the CPU threads during the SVDs (None: leave torch's setting)."""
     alphas: dict[str, float] = {}
     for name, (weight, edge) in weights.items():
         if edge:
@@ -125,7 +139,8 @@ def module_alphas(weights: Mapping[str, tuple[torch.Tensor, bool]], min_eigs: in
             if min(w.shape) < min_eigs:
                 alphas[name] = float("nan")
                 continue
-            alphas[name] = hill_alpha(esd(w, esd_dtype))
+            with cpu_threads(svd_threads if w.device.type == "cpu" else None):
+                alphas[name] = hill_alpha(esd(w, esd_dtype))
     finite = [a for a in alphas.values() if math.isfinite(a)]
     top = max(finite) if finite else float("nan")
     for name, (_, edge) in weights.items():
@@ -260,10 +275,12 @@ class LLR(L.Callback):
         total_steps: the schedule's length (stop_at); default ``trainer.max_steps``.
         min_eigs: modules with fewer eigenvalues are dropped (base rate).
         esd_dtype: float32 (released) or float64 for the SVD.
+        svd_threads: CPU threads for the SVDs (1; None leaves torch's setting); GPU weights are unaffected.
     """
 
     def __init__(self, every: int = 100, ramp_steps: int = 50, ratio: float = 0.2, r_min: float = 1.0,
-                 r_max: float = 5.0, total_steps: int | None = None, min_eigs: int = 50, esd_dtype: str = "float32"):
+                 r_max: float = 5.0, total_steps: int | None = None, min_eigs: int = 50, esd_dtype: str = "float32",
+                 svd_threads: int | None = 1):
         if every < 1 or ramp_steps < 0 or not 0 <= ratio <= 1 or r_max < r_min:
             raise ValueError(f"LLR(every={every}, ramp_steps={ramp_steps}, ratio={ratio}, r_min={r_min}, r_max={r_max}): "
                              "need every >= 1, ramp_steps >= 0, 0 <= ratio <= 1, r_max >= r_min")
@@ -271,7 +288,7 @@ class LLR(L.Callback):
             raise ValueError(f"LLR(esd_dtype={esd_dtype!r}): choose float32 or float64")
         self.every, self.ramp_steps, self.ratio = int(every), int(ramp_steps), float(ratio)
         self.r_min, self.r_max, self.total_steps = float(r_min), float(r_max), total_steps
-        self.min_eigs, self.esd_dtype = int(min_eigs), getattr(torch, esd_dtype)
+        self.min_eigs, self.esd_dtype, self.svd_threads = int(min_eigs), getattr(torch, esd_dtype), svd_threads
         self.ramp: dict | None = None      # {"start", "end", "from", "to"} in trainer.global_step units
         self.alphas: dict[str, float] = {}
         self.ratios: dict[str, float] = {}
@@ -287,7 +304,7 @@ class LLR(L.Callback):
     def recompute(self, global_step: int, optimizer, scheduler, weights: Mapping[str, tuple[torch.Tensor, bool]],
                   broadcast=None) -> None:
         """New α → new initial rates; start the ramp from each group's current rate to η_new·f(s+L)."""
-        alphas = module_alphas(weights, self.min_eigs, self.esd_dtype)
+        alphas = module_alphas(weights, self.min_eigs, self.esd_dtype, self.svd_threads)
         if broadcast is not None:
             alphas = broadcast(alphas)
         ratios = lr_ratios(alphas, self.r_min, self.r_max)
