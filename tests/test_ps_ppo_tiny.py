@@ -27,10 +27,12 @@ def test_rl_tiny_smoke(experiment, tmp_path, tiny_lm_dir):
 @pytest.mark.slow
 @pytest.mark.parametrize("experiment", ["ps_ppo_tiny", "grpo_tiny"])
 def test_rl_tiny_reward_rises(experiment, tmp_path, tiny_lm_dir):
-    """Full tiny run (60 RL steps): the sampled-rollout reward of the last 15 steps beats the first 15."""
+    """60 RL steps on a fixed pool of 16 prompts (G=8): the sampled-rollout reward of the last 15 steps beats the
+    first 15 (the warmed-up policy is right ~85% of the time at temperature 1; RL sharpens it)."""
     import pandas as pd
 
-    run_experiment(experiment, tmp_path, overrides=("trainer.val_check_interval=30",))
+    run_experiment(experiment, tmp_path, overrides=("trainer.val_check_interval=60", "data.n_train=16", "data.n_val=16",
+                                                    "model.group_size=8", "model.optimizer.lr=1e-4"))
     log = pd.read_csv(next(tmp_path.rglob("metrics.csv")))
     r = log["train/reward"].dropna().to_numpy()
     assert len(r) >= 50

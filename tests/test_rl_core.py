@@ -83,6 +83,7 @@ def test_exact_match_reward():
     assert exact_match_reward("12 + 30 = 42\n#### 41", "42") == 0.0
     assert exact_match_reward("the result is 42.0", "#### 42") == 1.0
     assert exact_match_reward("", "42") == 0.0
+    assert exact_match_reward("#### -7", "7") == 0.0 and exact_match_reward("#### 6.50", "6.5") == 1.0
 
 
 def test_response_mask_stops_after_first_eos():

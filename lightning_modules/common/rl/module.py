@@ -18,7 +18,8 @@ One ``training_step`` = one batch of prompts:
 test: greedy decoding on held-out prompts, ``val/accuracy`` (exact match). ``warmup`` (a dict, optional) starts
 from a cached supervised warm-up on the task format (``warmup.py``). Logged per step: reward, accuracy, response
 length, KL (to π_old, and to π_ref when beta > 0), clip fraction, tokens backpropagated vs full, max weight,
-gradient norm.
+gradient norm, rollout/update wall time; with ``measure_activations`` the bytes autograd saves per micro-batch.
+Under DeepSpeed the engine clips (its config) and ``max_grad_norm`` is not applied here.
 """
 from __future__ import annotations
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+from lightning_modules.common.evaluation import exact_match
+
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
@@ -56,21 +58,13 @@ def extract_answer(text: str) -> str | None:
     return normalize_number(nums[-1]) if nums else None
 
 
-def _exact_match(pred: str, gold: str) -> bool:
-    try:
-        from lightning_modules.common.evaluation import exact_match
-    except ImportError:  # the shared evaluation module is not there (older checkout): plain equality
-        return pred.strip() == gold.strip()
-    return bool(exact_match(pred, gold))
-
-
 def exact_match_reward(completion: str, gold: str) -> float:
     """1.0 if the extracted answer equals the gold answer (itself extracted/normalised), else 0.0."""
     pred = extract_answer(completion)
     ref = extract_answer(gold) if ("####" in gold or "\\boxed" in gold) else normalize_number(gold)
     if pred is None or ref is None:
         return 0.0
-    return 1.0 if _exact_match(pred, ref) else 0.0
+    return exact_match(pred, ref)
 
 
 def format_reward(completion: str) -> float:
