@@ -3,7 +3,7 @@
 Under ZeRO-2/3 ``p.grad`` is not the full gradient and Lightning's DeepSpeed precision plugin ignores clipping, so
 the module reads and writes full gradients with ``safe_get_full_grad`` / ``safe_set_full_grad``. With plain SGD
 (lr 1) one optimizer step moves each parameter by exactly its (clipped) gradient, so the step itself shows what
-DeepSpeed applied: HiCI parameters moved by a vector of norm 0.3, the others by their unclipped gradient.
+DeepSpeed applied: HiCI parameters moved by a vector of norm CLIP, the others by their unclipped gradient.
 """
 import os
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.slow
+CLIP = 0.01  # the recipe's 0.3 does not bite on this tiny model's small HiCI gradients at init
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -31,7 +32,7 @@ def test_hici_clip_survives_deepspeed_zero(stage, tmp_path):
     def fresh():
         torch.manual_seed(0)
         m = HiCILongContextLM(spec, optimizer=partial(torch.optim.SGD, lr=1.0), hici=hici, hici_lr=1.0,
-                              hici_grad_clip=0.3)
+                              hici_grad_clip=CLIP)
         m.configure_model()  # built right after seeding: both copies start from the same weights
         return m
 
@@ -41,7 +42,7 @@ def test_hici_clip_survives_deepspeed_zero(stage, tmp_path):
     before = {n: p.detach().clone() for n, p in ref.model.named_parameters() if p.requires_grad}
     grads = {n: p.grad.detach().clone() for n, p in ref.model.named_parameters() if p.requires_grad}
     hici_norm = torch.linalg.vector_norm(torch.stack([g.norm() for n, g in grads.items() if is_hici_param(n)]))
-    assert hici_norm > 0.3  # the clip must bite for this test to mean anything
+    assert hici_norm > CLIP  # the clip must bite for this test to mean anything
 
     module = fresh()
     seen = {}
@@ -67,8 +68,8 @@ def test_hici_clip_survives_deepspeed_zero(stage, tmp_path):
         (moved_hici if is_hici_param(name) else moved_other).append((delta, grads[name]))
     assert moved_hici and moved_other
     hici_step = torch.linalg.vector_norm(torch.stack([d.norm() for d, _ in moved_hici]))
-    assert hici_step.item() == pytest.approx(0.3, rel=1e-3)  # clipped to 0.3 over the full HiCI gradient
-    coef = 0.3 / hici_norm
+    assert hici_step.item() == pytest.approx(CLIP, rel=1e-3)  # clipped over the full HiCI gradient
+    coef = CLIP / hici_norm
     for d, g in moved_hici:
         torch.testing.assert_close(d, g * coef, atol=1e-5, rtol=1e-3)
     for d, g in moved_other:  # LoRA / embeddings / norms: unclipped

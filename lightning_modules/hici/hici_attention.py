@@ -99,7 +99,8 @@ class GlobalIntegrator(nn.Module):
         self.out = nn.Linear(expand_dim, hidden)
         nn.init.normal_(self.out.weight, std=0.02 / math.sqrt(expand_dim))
         nn.init.zeros_(self.out.bias)
-        self.gate = nn.Parameter(torch.tensor(inverse_softplus(gate_init)))
+        # shape (1,), not a 0-dim scalar: DeepSpeed cannot broadcast 0-dim parameters
+        self.gate = nn.Parameter(torch.full((1,), inverse_softplus(gate_init)))
 
     def forward(self, stats: torch.Tensor) -> torch.Tensor:
         dtype = self.out.weight.dtype
