@@ -58,7 +58,7 @@ def check_config(cfg: DictConfig) -> None:
     world = n_dev * int(tr.get("num_nodes", 1) or 1) if n_dev > 0 else -1
     if "ModelParallelStrategy" in target and world == 1:
         raise ConfigError("trainer=fsdp with trainer.devices=1 shards nothing: use trainer=cpu/gpu, or set trainer.devices>=2")
-    if "DeepSpeed" in target and tr.get("accelerator") == "cpu" and not cfg.get("allow_deepspeed_cpu", False):
+    if "deepspeed" in target.lower() and tr.get("accelerator") == "cpu" and not cfg.get("allow_deepspeed_cpu", False):
         raise ConfigError("DeepSpeed needs GPUs (trainer.accelerator=gpu); on CPU use trainer=ddp or trainer=fsdp")
     pretrained = cfg.get("backbone", {}).get("pretrained")
     if pretrained:
@@ -141,7 +141,7 @@ def _run(cfg: DictConfig):
     datamodule = instantiate(cfg.data, _convert_="all") if cfg.get("data") and "_target_" in cfg.data else None
     module = instantiate(cfg.model, _convert_="all")
     callbacks = _instantiate_dict(cfg.get("callbacks"), "callbacks")
-    if "DeepSpeed" in _strategy_target(cfg):  # transformers must know about ZeRO-3 while the backbone is built
+    if "deepspeed" in _strategy_target(cfg).lower():  # transformers must know about ZeRO-3 while the backbone is built
         from callbacks.deepspeed_hf import HFZero3Init
 
         callbacks.append(HFZero3Init())
