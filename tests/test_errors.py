@@ -51,7 +51,7 @@ def test_unknown_experiment_lists_known_ones():
     (["task=train"], "task='train': choose one of fit, test, fit_test, validate"),
     (["trainer=fsdp", "trainer.devices=1"], "trainer=fsdp with trainer.devices=1"),
     (["trainer=deepspeed_zero3", "trainer.accelerator=cpu"], "DeepSpeed needs GPUs"),
-    (["trainer.strategy=deepspeed_stage_3"], "DeepSpeed needs GPUs"),  # Lightning's string form too
+    (["+trainer.strategy=deepspeed_stage_3"], "DeepSpeed needs GPUs"),  # Lightning's string form too
     (["backbone.pretrained=/no/such/checkpoint"], "backbone.pretrained='/no/such/checkpoint' does not exist"),
     (["ckpt_path=/no/such.ckpt"], "ckpt_path='/no/such.ckpt' does not exist"),
 ])
