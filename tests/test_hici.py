@@ -285,3 +285,34 @@ def test_tiny_experiment_end_to_end(experiment, tmp_path, tiny_lm_dir):
     assert state["global_step"] == 20
     assert any("lora_A" in k for k in state["state_dict"])
     assert (tmp_path / "hf_full" / "config.json").exists()
+
+
+def test_cached_generation_through_the_patch_matches_the_plain_model():
+    """Prefill runs the core, decoding with a KV cache falls back to the layer's attention: with one segment and
+    causal_shift_g (eval_segments=1: no prefix) greedy decoding equals the unpatched model's, token for token."""
+    model = tiny_model("qwen3", dtype=torch.float32)
+    x = torch.randint(0, 97, (1, 16), generator=torch.Generator().manual_seed(7))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    ref = model.generate(input_ids=x, **kw)
+    attach_hici(model, {**TINY, "local_slots": 4, "global_slots": 2, "gate_init": 0.1})
+    patch_attention(model, HiCICore(num_segments=4, causal_mode="causal_shift_g", eval_segments=1))
+    model.eval()
+    assert torch.equal(model.generate(input_ids=x, **kw), ref)
+
+
+def test_passkey_mix_plants_answers_at_the_rate_asked(tiny_tokenizer):
+    import numpy as np
+
+    from datamodules.long_context import PasskeyMix
+    from datamodules.text import PackedTokens
+
+    base = PackedTokens(np.arange(256 * 40, dtype=np.int64) % 500, 256)
+    mix = PasskeyMix(base, tiny_tokenizer, fraction=0.3, seed=0)
+    picked = [i for i in range(len(mix)) if mix.is_passkey(i)]
+    assert 4 <= len(picked) <= 20
+    item = mix[picked[0]]
+    text = tiny_tokenizer.decode(item["input_ids"])
+    key = text.split("The pass key is ")[1][:5]
+    assert key.isdigit() and text.count(key) == 3  # planted twice, answered once after the question
+    j = next(i for i in range(len(mix)) if not mix.is_passkey(i))
+    assert torch.equal(mix[j]["input_ids"], base[j]["input_ids"])  # the rest are the packed LM blocks
