@@ -87,6 +87,7 @@ def run_case(case: dict, rates: list[float]) -> list[dict]:
             t0 = time.time()
             res = q.quantize(w, stats, r)
             dt = time.time() - t0
+            print(f"  {case['name']} {method} R={r}: {res.rate.bits:.3f} bits, {dt:.1f}s", flush=True)
             d = stats.output_error(w, res.weight)
             rd = rate_distortion(lam, d)
             rep = res.rate
@@ -136,7 +137,8 @@ def main(argv=None):
     p.add_argument("--cols", type=int, default=64)
     p.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 3.0, 4.0])
     p.add_argument("--minilm-layers", type=int, nargs="*", default=[0])
-    p.add_argument("--minilm-which", nargs="+", default=["query", "intermediate", "output"])
+    p.add_argument("--minilm-which", nargs="+", default=["query", "intermediate"],
+                   help="of query, attn_out, intermediate, output (output is 384x1536: slow on CPU)")
     p.add_argument("--calib-seqs", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
