@@ -63,7 +63,9 @@ def test_experiment_composes_and_resolves(name, tmp_path):
     assert text.lstrip().startswith("# @package _global_"), f"conf/experiment/{name}.yaml must start with '# @package _global_'"
     cfg = compose(name, [], output_dir=tmp_path)
     plain = resolved(cfg)
-    assert plain["task"] in ("fit", "test", "fit_test", "validate")
+    from lightning_modules.common.runner import TASKS, check_config
+
+    assert plain["task"] in TASKS
     assert isinstance(plain["seed"], int)
     assert plain["backbone"]["family"] and "config" in plain["backbone"]
     # every class or function the config names imports
@@ -81,10 +83,11 @@ def test_experiment_composes_and_resolves(name, tmp_path):
     for key, sub in (cfg.get("callbacks") or {}).items():
         if isinstance(sub, DictConfig) and "_target_" in sub:
             instantiate(sub, _convert_="all")
-    from lightning_modules.common.runner import TASKS, check_config
-
-    assert plain["task"] in TASKS
     if not name.endswith("_tiny"):
+        # the experiment's backbone, with whatever it overrides, is a valid architecture (built on the meta device)
+        from lightning_modules.common.backbone import build_backbone, count_parameters
+
+        assert count_parameters(build_backbone(plain["backbone"], meta=True)) > 0
         return
     check_config(cfg)  # a tiny experiment must pass the runner's checks here (CPU, no hub)
     assert cfg.trainer.accelerator == "cpu", f"{name}: a tiny experiment runs on trainer=cpu"
@@ -123,7 +126,10 @@ def test_readme_lists_every_experiment_once():
     assert not twice, f"README.md lists these experiments more than once: {twice}"
 
 
-def _cfg_job_once() -> tuple[float, subprocess.CompletedProcess]:
+def _cfg_job_once() -> tuple[float, float, subprocess.CompletedProcess]:
+    """Wall seconds, CPU seconds (user + system of the child) and the finished process of one config-only run."""
+    import resource
+
     code = (
         "import sys, runpy; sys.argv = ['run.py', '--cfg', 'job']\n"
         "try:\n    runpy.run_path('run.py', run_name='__main__')\n"
@@ -133,18 +139,26 @@ def _cfg_job_once() -> tuple[float, subprocess.CompletedProcess]:
         "print('HEAVY=' + ','.join(heavy))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    return time.perf_counter() - t0, proc
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu, proc
 
 
 def test_config_only_is_fast_and_light():
-    """`python run.py --cfg job` prints the config without importing Lightning, transformers or torch, in < 2 s."""
-    best, proc = _cfg_job_once()
+    """`python run.py --cfg job` prints the config without importing Lightning, transformers or torch, in < 2 s.
+
+    The machine running the suite may be shared, so the 2 s budget is checked on the child's CPU time (what the
+    command costs); the wall time is reported alongside. `python -m benchmarks.overhead` measures the wall time.
+    """
+    wall, cpu, proc = _cfg_job_once()
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "model:" in proc.stdout and "_target_" in proc.stdout
     heavy = proc.stdout.strip().splitlines()[-1]
     assert heavy == "HEAVY=", f"config-only path imported {heavy[6:]}: import them lazily, where things are instantiated"
-    if best >= 2.0:  # the machine is shared: take the best of three before calling it slow
-        best = min([best] + [_cfg_job_once()[0] for _ in range(2)])
-    assert best < 2.0, f"python run.py --cfg job took {best:.2f} s (target < 2 s)"
+    if cpu >= 2.0:  # take the best of three before calling it slow
+        cpu = min([cpu] + [_cfg_job_once()[1] for _ in range(2)])
+    assert cpu < 2.0, f"python run.py --cfg job used {cpu:.2f} s of CPU ({wall:.2f} s wall; target < 2 s)"
