@@ -167,7 +167,8 @@ def main(argv=None):
     curves: dict[str, dict[int, list]] = {a: {} for a in args.arms}
     ratios: dict[str, dict] = {}
     trained = None
-    for seed in args.seeds:
+    summary = {}
+    for n_done, seed in enumerate(args.seeds, 1):
         for arm in args.arms:
             t0 = time.time()
             module, curve, r = run_arm(args, arm, seed, train_tokens, val_batches)
@@ -177,27 +178,31 @@ def main(argv=None):
             if arm == "uniform" and seed == args.seeds[0]:
                 trained = module.model
             print(f"{arm:13s} seed {seed}: final val loss {curve[-1][1]:.4f}  ({time.time() - t0:.1f} s)", flush=True)
+        # results after every seed, so a long run that is stopped still leaves its numbers
+        summary = report(args, args.seeds[:n_done], curves, ratios, trained, out, final=n_done == len(args.seeds))
+    return summary
 
-    summary = {}
+
+def report(args, seeds, curves, ratios, trained, out: Path, final: bool) -> dict:
+    summary = {"seeds": list(seeds)}
     for arm in args.arms:
-        finals = [c[-1][1] for c in curves[arm].values()]
+        finals = [curves[arm][s][-1][1] for s in seeds]
         summary[arm] = {"final_val_loss_mean": float(np.mean(finals)), "final_val_loss_std": float(np.std(finals)),
                         "diverged": int(sum(not math.isfinite(f) for f in finals))}
-    for base, arm in (("uniform", "llr"), ("uniform_muon", "llr_muon")):
+    for base, arm in (("uniform", "llr"), ("uniform_muon", "llr_muon"), ("uniform", "uniform_5x")):
         if base in curves and arm in curves:
             per_seed = []
-            for seed in args.seeds:
-                target = curves[base][seed][-1][1]
-                need = steps_to_reach(curves[arm][seed], target)
+            for seed in seeds:
+                need = steps_to_reach(curves[arm][seed], curves[base][seed][-1][1])
                 per_seed.append(args.steps / need if math.isfinite(need) else 0.0)
             summary[arm]["speedup_vs_" + base] = per_seed
             summary[arm]["speedup_mean"] = float(np.mean(per_seed))
-
-    ww = weightwatcher_alphas(trained) if trained is not None else {}
+    ww = weightwatcher_alphas(trained) if (final and trained is not None) else {}
     if ww:
         diffs = np.array([r["ww"] - r["ours"] for r in ww.values()])
         same_xmin = np.array([r["ww"] - r["ours_at_ww_xmin"] for r in ww.values()])
         summary["weightwatcher"] = {"layers": len(ww), "mean_abs_diff": float(np.abs(diffs).mean()),
+                                    "mean_ww_minus_ours": float(diffs.mean()),
                                     "mean_abs_diff_at_ww_xmin": float(np.abs(same_xmin).mean()),
                                     "mean_ww_xmin_quantile": float(np.mean([r["ww_xmin_quantile"] for r in ww.values()]))}
     (out / "llr_bench.json").write_text(json.dumps({"args": vars(args), "summary": summary, "curves": curves,
@@ -210,31 +215,33 @@ def main(argv=None):
 
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for arm in args.arms:
-            steps = [s for s, _ in next(iter(curves[arm].values()))]
-            ys = np.array([[l for _, l in c] for c in curves[arm].values()])
+            steps = [st for st, _ in curves[arm][seeds[0]]]
+            ys = np.array([[l for _, l in curves[arm][s]] for s in seeds])
             ax.plot(steps, ys.mean(0), label=arm)
             ax.fill_between(steps, ys.min(0), ys.max(0), alpha=0.2)
         ax.set_xlabel("step")
         ax.set_ylabel("validation loss")
-        ax.set_title(f"tiny LLaMA, {len(args.seeds)} seeds, base lr {args.lr}")
+        ax.set_title(f"tiny LLaMA, {len(seeds)} seed(s), base lr {args.lr}")
         ax.legend()
         fig.tight_layout()
         fig.savefig(out / "llr_val_loss.png", dpi=120)
+        plt.close(fig)
     except Exception as err:  # noqa: BLE001 - the numbers above stand without the figure
         print(f"(no plot: {err})")
 
-    print("\narm            final val loss (mean ± std)   steps-ratio vs uniform")
+    print(f"\n[{len(seeds)} seed(s)] arm   final val loss (mean ± std)   steps-ratio: uniform's steps / steps to reach uniform's final loss")
     for arm in args.arms:
         s = summary[arm]
-        sp = f"{s['speedup_mean']:.2f}x  (per seed {', '.join(f'{v:.2f}' for v in s[[k for k in s if k.startswith('speedup_vs')][0]])})" \
-            if "speedup_mean" in s else ""
-        print(f"{arm:13s}  {s['final_val_loss_mean']:.4f} ± {s['final_val_loss_std']:.4f}   {sp}")
+        key = next((k for k in s if k.startswith("speedup_vs")), None)
+        sp = f"{s['speedup_mean']:.2f}x (per seed {', '.join(f'{v:.2f}' for v in s[key])})" if key else ""
+        print(f"{arm:13s}  {s['final_val_loss_mean']:.4f} ± {s['final_val_loss_std']:.4f}   {sp}", flush=True)
     if ww:
         w = summary["weightwatcher"]
-        print(f"\nalpha vs weightwatcher ({w['layers']} Linear layers of the uniform seed-{args.seeds[0]} model): "
-              f"mean |ww - ours| = {w['mean_abs_diff']:.3f}; with the Hill formula at ww's xmin: "
-              f"{w['mean_abs_diff_at_ww_xmin']:.3f}; ww's xmin sits at eigenvalue quantile {w['mean_ww_xmin_quantile']:.2f} (ours 0.50)")
-    print(f"\nwrote {out / 'llr_bench.json'} and {out / 'llr_val_loss.png'}")
+        print(f"\nalpha vs weightwatcher ({w['layers']} Linear layers of the uniform seed-{seeds[0]} model): "
+              f"mean |ww - ours| = {w['mean_abs_diff']:.3f} (ww - ours = {w['mean_ww_minus_ours']:+.3f}); the same "
+              f"Hill formula at ww's xmin: {w['mean_abs_diff_at_ww_xmin']:.3f}; ww's xmin sits at eigenvalue quantile "
+              f"{w['mean_ww_xmin_quantile']:.2f} (ours 0.50)", flush=True)
+    print(f"wrote {out / 'llr_bench.json'} and {out / 'llr_val_loss.png'}", flush=True)
     return summary
 
 
