@@ -63,6 +63,13 @@ def test_aggregation_divisors_count_full_lengths():
     assert abs(float(dr) - (-(2 + 8) / 16)) < 1e-6
     with pytest.raises(ValueError, match="model.aggregation"):
         divisors("seq_sum", T, 8)
+    # the k3 KL term gets the same per-token weights as the policy term (PS-PPO spec 1.4)
+    ref = torch.full((2, 4), math.log(0.5))
+    w2 = torch.tensor([[2.0, 0.5, 0, 0], [1, 1, 3, 1]])
+    kl = k3_kl(lp, ref)
+    withkl, st = policy_loss(lp, lp, adv, w2, divisors("token_mean", T, 8), logp_ref=ref, beta=0.1)
+    expect = ((w2 * (-adv.unsqueeze(1) + 0.1 * kl)).sum() / 6)
+    assert abs(float(withkl) - float(expect)) < 1e-6 and float(st["kept"]) == 6
 
 
 @pytest.mark.parametrize("text,expected", [

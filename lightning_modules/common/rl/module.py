@@ -111,6 +111,9 @@ class RLModule(CausalLMModule):
             self.tokenizer = dm.tokenizer
         return self.tokenizer
 
+    def on_train_start(self):
+        self.model.train()  # from_pretrained returns eval mode; generation switches modes itself
+
     # --- the one hook a method changes -----------------------------------------------------------
     def token_weights(self, ro: Rollouts, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Kept response tokens per trajectory (N,) and per-token weights (N, T); full trajectories here."""
