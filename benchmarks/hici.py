@@ -42,7 +42,7 @@ def quality(args) -> dict:
                    f"data.passkey_fraction={args.passkey_fraction}", f"data.max_val_sequences={args.val_sequences}",
                    "model.evaluation.ppl_lengths=[]", f"model.evaluation.passkey_lengths=[{args.seq_len}]",
                    f"model.evaluation.passkey_samples={args.passkey_samples}", "model.export_dir=null",
-                   "callbacks.progress_bar=null", "callbacks.model_checkpoint=null", "logger=none",
+                   "callbacks.progress_bar=null", "callbacks.model_checkpoint=null", "callbacks.lr_monitor=null", "logger=none",
                    "trainer.enable_model_summary=false", f"paths.output_dir={tmp}", f"seed={args.seed}"]
             t0 = time.time()
             proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
