@@ -139,7 +139,8 @@ class RLModule(CausalLMModule):
         ref = self.reference()
         logp_ref = batched_logprobs(ref, ro, need, self.micro_batch_size, self.temperature) if ref is not None else None
         N, lengths = len(ro), ro.lengths
-        stats = {k: 0.0 for k in ("loss", "clipped", "kept", "kl_ref", "kl_old", "grad_norm", "steps", "saved_bytes")}
+        stats = {k: 0.0 for k in ("loss", "clipped", "kept", "kl_ref", "kl_old", "grad_norm", "steps", "saved_bytes",
+                                  "saved_bytes_sum")}
         gen = torch.Generator().manual_seed(int(self.global_step) * 7 + 1)
         for epoch in range(self.ppo_epochs):
             kept, weights = plans[epoch]
@@ -160,6 +161,7 @@ class RLModule(CausalLMModule):
                                                logp_ref[rows, :n] if logp_ref is not None else None, self.beta,
                                                self.eps_low, self.eps_high)
                     stats["saved_bytes"] = max(stats["saved_bytes"], saved.bytes)
+                    stats["saved_bytes_sum"] += saved.bytes
                     self.manual_backward(loss)
                     total += float(loss.detach())
                     stats["clipped"] += float(st["clipped"])
@@ -212,6 +214,7 @@ class RLModule(CausalLMModule):
                "train/max_weight": max_w, "train/rollout_s": t1 - t0, "train/update_s": t2 - t1}
         if self.measure_activations:  # peak bytes saved for backward by one micro-batch (CPU-countable)
             log["train/saved_act_mb"] = st["saved_bytes"] / 2**20
+            log["train/saved_act_mb_sum"] = st["saved_bytes_sum"] / 2**20  # over all micro-batches of the step
         if torch.cuda.is_available() and self.device.type == "cuda":
             log["train/peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if self.beta:
