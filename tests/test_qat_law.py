@@ -71,8 +71,8 @@ def test_joint_training_equals_separate_training():
 
 
 def test_qat_law_tiny_smoke(tmp_path):
-    value, metrics = run_experiment("qat_law_tiny", tmp_path, overrides=("debug=smoke", "data.max_val_sequences=8",
-                                                                        "data.seq_len=64"))
+    value, metrics = run_experiment("qat_law_tiny", tmp_path, overrides=(
+        "debug=smoke", "data.max_val_sequences=8", "data.seq_len=64", "data.batch_size=4", "data.eval_batch_size=8"))
     assert metrics["status"] == "ok" and metrics["global_step"] == 20
     assert math.isfinite(value)
     final = metrics["final"]
@@ -80,7 +80,7 @@ def test_qat_law_tiny_smoke(tmp_path):
         assert final[f"train/loss/{key}"] < math.log(2048) - 0.5  # every variant trains
         assert math.isfinite(final[f"test/loss/{key}"])
     res = metrics["results"]["qat_law"]
-    assert res["N"] == 295_552 and res["D"] == 20 * 8 * 64
+    assert res["N"] == 295_552 and res["D"] == 20 * 4 * 64
     rows = {r["variant"]: r for r in res["rows"]}
     assert rows["fp"]["delta"] == 0.0
     for key in ("w4a4_g64", "w4a16_g64", "w16a4_g64"):
