@@ -15,18 +15,16 @@ _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
 def normalize_number(text: str) -> str:
+    """``"$1,000.50"`` -> ``"1000.5"``, ``"-0"`` -> ``"0"``, ``"007"`` -> ``"7"``; non-numbers are only stripped."""
     s = text.strip().replace("$", "").replace(",", "").rstrip(".").strip()
-    if re.fullmatch(r"-?\d+(?:\.\d+)?|-?\.\d+", s):
-        if "." in s:
-            s = s.rstrip("0").rstrip(".") or "0"
-        if s.startswith("-") and set(s[1:]) <= {"0"}:
-            s = s[1:]
-        s = s.lstrip("0") or "0" if not s.startswith("-") else "-" + (s[1:].lstrip("0") or "0")
-        if s.startswith("."):
-            s = "0" + s
-        if s.startswith("-."):
-            s = "-0" + s[1:]
-    return s
+    if not re.fullmatch(r"-?\d+(?:\.\d+)?|-?\.\d+", s):
+        return s
+    neg, s = s.startswith("-"), s.lstrip("-")
+    if "." in s:
+        s = s.rstrip("0").rstrip(".")
+    whole, _, frac = s.partition(".")
+    s = (whole.lstrip("0") or "0") + ("." + frac if frac else "")
+    return "-" + s if neg and s != "0" else s
 
 
 def last_boxed(text: str) -> str | None:
