@@ -144,3 +144,19 @@ def test_minimal_2x2x2_sweep_through_multirun_collect_fit_plot(tmp_path):
     assert math.isfinite(fit["r2_log"])
     assert "fp (chinchilla)" in rep["skipped"]  # four full-precision cells cannot fit the Chinchilla part
     assert Path(f"{out}.png").stat().st_size > 10_000
+
+
+def test_fit_cli_from_a_table_writes_fit_and_plot(tmp_path):
+    from sweeps.fit import main
+
+    df = planted_delta(noise=0.02).rename(columns={"G": "group_size"})
+    df["precision"], df["seed"], df["loss"] = "w4a4", 1, 3.0
+    df.loc[0, "delta"] = -0.5  # a cell where QAT beat its twin: dropped and reported
+    fp = df.drop_duplicates(["N", "D"]).assign(precision="fp", delta=0.0, group_size=0)
+    fp["loss"] = 400 / fp["N"] ** 0.34 + 900 / fp["D"] ** 0.28 + 1.7
+    pd.concat([df, fp], ignore_index=True).to_csv(tmp_path / "t.csv", index=False)
+    assert main([str(tmp_path / "t.csv"), "--out", str(tmp_path / "out")]) == 0
+    rep = json.loads((tmp_path / "out_fit.json").read_text())
+    assert len(rep["fits"]["w4a4"]["dropped"]) == 1
+    assert abs(rep["fits"]["w4a4"]["constants"]["gamma_G"] - 0.8) < 0.1
+    assert (tmp_path / "out.png").stat().st_size > 10_000 and (tmp_path / "out_fit.md").exists()
