@@ -118,3 +118,18 @@ def test_sequential_target_reduces_to_plain_when_inputs_are_exact():
     b = WaterSIC(target_rate=False).quantize(w, LayerStats(sigma, cross=sigma.clone(), sigma_x=sigma.clone()), 2.5)
     assert torch.equal(a.codes, b.codes)
     assert torch.allclose(a.weight, b.weight, atol=1e-10)
+
+
+def test_qronos_target_reaches_the_least_squares_map_at_high_rate():
+    """Sequential mode minimises E‖Wx − Ŵx̂‖²: at a high rate Ŵ → W Σ_{XX̂} Σ_X̂⁻¹, not W (planted input error)."""
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(20000, 16, generator=g, dtype=torch.float64)
+    mix = torch.eye(16, dtype=torch.float64) + 0.2 * torch.randn(16, 16, generator=g, dtype=torch.float64)
+    xh = x @ mix + 0.05 * torch.randn(20000, 16, generator=g, dtype=torch.float64)  # the quantized model's inputs
+    n = x.shape[0]
+    stats = LayerStats(xh.T @ xh / n, cross=x.T @ xh / n, sigma_x=x.T @ x / n)
+    w = torch.randn(64, 16, generator=g, dtype=torch.float64)
+    res = WaterSIC(target_rate=False, rescalers=False, percdamp=0.0).quantize(w, stats, 14.0)
+    ls = w @ stats.cross @ torch.linalg.inv(stats.sigma)
+    assert torch.allclose(res.weight, ls, atol=1e-3 * float(ls.abs().max()))
+    assert stats.output_error(w, res.weight) < 0.05 * stats.output_error(w, w)
