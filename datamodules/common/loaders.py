@@ -4,17 +4,15 @@ from __future__ import annotations
 import gzip
 import json
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 
 class MalformedRecordError(ValueError):
     pass
 
 
-def _check_jsonl(path: Path, field: str | None) -> None:
-    """`datasets` reports a bad JSON line without naming it; check first so the error names file and line."""
-    if path.suffix == ".zst":  # no reader for it here: `datasets` reports what it finds
-        return
+def iter_jsonl(path: Path, field: str | None = None) -> Iterator[dict]:
+    """The records of a .jsonl(.gz) file, streamed; a bad line raises an error naming file and line."""
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
@@ -26,6 +24,15 @@ def _check_jsonl(path: Path, field: str | None) -> None:
                 raise MalformedRecordError(f"{path}:{lineno}: malformed JSON record ({err.msg}); fix or remove that line") from None
             if field is not None and (not isinstance(rec, dict) or field not in rec):
                 raise MalformedRecordError(f"{path}:{lineno}: record has no field {field!r}; set data.text_field to the right key")
+            yield rec
+
+
+def _check_jsonl(path: Path, field: str | None) -> None:
+    """`datasets` reports a bad JSON line without naming it; check first so the error names file and line."""
+    if path.suffix == ".zst":  # no reader for it here: `datasets` reports what it finds
+        return
+    for _ in iter_jsonl(path, field):
+        pass
 
 
 def _kind(path: Path) -> str:

@@ -22,7 +22,6 @@ straddle two shards. Build once on a CPU node (``python -m datamodules.common.sh
 """
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import zlib
@@ -31,7 +30,7 @@ from typing import Iterator
 
 import numpy as np
 
-from datamodules.common.loaders import MalformedRecordError
+from datamodules.common.loaders import MalformedRecordError, iter_jsonl
 
 INDEX = "index.json"
 VERSION = 1
@@ -51,20 +50,10 @@ def iter_documents(path: Path, field: str = "text", batch_rows: int = 1024) -> I
     """The documents of one source file, streamed; empty documents are skipped."""
     name = path.name
     if name.endswith((".jsonl", ".jsonl.gz", ".json", ".json.gz")):
-        opener = gzip.open if name.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise MalformedRecordError(f"{path}:{lineno}: malformed JSON record ({err.msg}); fix or remove that line") from None
-                if not isinstance(rec, dict) or field not in rec:
-                    raise MalformedRecordError(f"{path}:{lineno}: record has no field {field!r}; set data.text_field to the right key")
-                text = rec[field]
-                if isinstance(text, str) and text.strip():
-                    yield text
+        for rec in iter_jsonl(path, field):
+            text = rec[field]
+            if isinstance(text, str) and text.strip():
+                yield text
     elif name.endswith(".parquet"):
         import pyarrow.parquet as pq
 
