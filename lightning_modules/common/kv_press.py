@@ -293,23 +293,29 @@ class SnapKV(ScorerPress):
 
 # --- wrappers ------------------------------------------------------------------------------------------
 @dataclass
-class AdaKV(Press):
-    """Ada-KV (Feng et al., 2024) head-adaptive budget: each head first keeps its top ``int(n_kept * alpha_safeguard)``,
-    then the layer's remaining budget goes to the highest scores over all heads. Total kept per layer =
-    kv_heads * n_kept; evicted positions are masked in attention (cache length unchanged), as in kvpress."""
+class Wrapper(Press):
+    """A press that wraps a scorer press and changes how its scores become evictions."""
 
     press: ScorerPress = None
-    alpha_safeguard: float = 0.20
-    needs_mask = True
 
     def __post_init__(self):
         super().__post_init__()
         if not isinstance(self.press, ScorerPress):
-            raise ValueError("AdaKV wraps a scorer press (ManifoldKV, KeyDiff, KNorm, SnapKV, StreamingLLM, Random)")
+            raise ValueError(f"{type(self).__name__} wraps a scorer press (ManifoldKV, KeyDiff, KNorm, SnapKV, StreamingLLM, Random)")
 
     @property
     def compression_ratio(self) -> float:
         return self.press.compression_ratio
+
+
+@dataclass
+class AdaKV(Wrapper):
+    """Ada-KV (Feng et al., 2024) head-adaptive budget: each head first keeps its top ``int(n_kept * alpha_safeguard)``,
+    then the layer's remaining budget goes to the highest scores over all heads. Total kept per layer =
+    kv_heads * n_kept; evicted positions are masked in attention (cache length unchanged), as in kvpress."""
+
+    alpha_safeguard: float = 0.20
+    needs_mask = True
 
     def compress(self, module, hidden_states, keys, values, kwargs):
         if self.compression_ratio == 0:
@@ -326,21 +332,11 @@ class AdaKV(Press):
 
 
 @dataclass
-class Block(Press):
+class Block(Wrapper):
     """Block-wise prefill (the KeyDiff paper's setting; kvpress ``BlockPress``): walk the context in blocks of
     ``block_size``; score [kept tokens + next block] with the inner scorer and keep the top ``n_kept`` each time."""
 
-    press: ScorerPress = None
     block_size: int = 128
-
-    def __post_init__(self):
-        super().__post_init__()
-        if not isinstance(self.press, ScorerPress):
-            raise ValueError("Block wraps a scorer press (ManifoldKV, KeyDiff, KNorm, SnapKV, StreamingLLM, Random)")
-
-    @property
-    def compression_ratio(self) -> float:
-        return self.press.compression_ratio
 
     def compress(self, module, hidden_states, keys, values, kwargs):
         if self.compression_ratio == 0:
