@@ -52,6 +52,7 @@ def test_unknown_experiment_lists_known_ones():
     (["trainer=fsdp", "trainer.devices=1"], "trainer=fsdp with trainer.devices=1"),
     (["trainer=deepspeed_zero3", "trainer.accelerator=cpu"], "DeepSpeed needs GPUs"),
     (["+trainer.strategy=deepspeed_stage_3"], "DeepSpeed needs GPUs"),  # Lightning's string form too
+    (["trainer=fsdp", "trainer.strategy.tensor_parallel_size=2"], "trainer=fsdp with tensor_parallel_size>1"),
     (["backbone.pretrained=/no/such/checkpoint"], "backbone.pretrained='/no/such/checkpoint' does not exist"),
     (["ckpt_path=/no/such.ckpt"], "ckpt_path='/no/such.ckpt' does not exist"),
 ])

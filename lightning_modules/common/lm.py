@@ -72,9 +72,17 @@ class CausalLMModule(L.LightningModule):
 
             if isinstance(self.model, FSDPModule):  # already sharded (test after fit calls this hook again)
                 return
-            for layer in self.decoder_layers():
-                fully_shard(layer, mesh=mesh["data_parallel"] if "data_parallel" in mesh.mesh_dim_names else mesh)
-            fully_shard(self.model, mesh=mesh["data_parallel"] if "data_parallel" in mesh.mesh_dim_names else mesh)
+            if "tensor_parallel" in mesh.mesh_dim_names and mesh["tensor_parallel"].size() > 1:
+                raise ValueError("trainer=fsdp with tensor_parallel_size>1: paperlab modules shard with FSDP2 over data "
+                                 "parallelism only; set trainer.strategy.tensor_parallel_size=1")
+            layers = self.decoder_layers()
+            if not layers:
+                raise ValueError(f"trainer=fsdp cannot shard {type(self.model).__name__}: no repeated decoder layers found; "
+                                 "use trainer=ddp or a DeepSpeed trainer")
+            dp_mesh = mesh["data_parallel"] if "data_parallel" in mesh.mesh_dim_names else mesh
+            for layer in layers:
+                fully_shard(layer, mesh=dp_mesh)
+            fully_shard(self.model, mesh=dp_mesh)
 
     def decoder_layers(self) -> list[torch.nn.Module]:
         """The repeated transformer blocks (what FSDP shards and activation checkpointing wraps)."""

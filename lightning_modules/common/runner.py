@@ -58,6 +58,10 @@ def check_config(cfg: DictConfig) -> None:
     world = n_dev * int(tr.get("num_nodes", 1) or 1) if n_dev > 0 else -1
     if "ModelParallelStrategy" in target and world == 1:
         raise ConfigError("trainer=fsdp with trainer.devices=1 shards nothing: use trainer=cpu/gpu, or set trainer.devices>=2")
+    strategy = tr.get("strategy")
+    if "ModelParallelStrategy" in target and isinstance(strategy, DictConfig) and (strategy.get("tensor_parallel_size") or 1) > 1:
+        raise ConfigError("trainer=fsdp with tensor_parallel_size>1: paperlab modules shard with FSDP2 over data "
+                          "parallelism only; set trainer.strategy.tensor_parallel_size=1")
     if "deepspeed" in target.lower() and tr.get("accelerator") == "cpu" and not cfg.get("allow_deepspeed_cpu", False):
         raise ConfigError("DeepSpeed needs GPUs (trainer.accelerator=gpu); on CPU use trainer=ddp or trainer=fsdp")
     pretrained = cfg.get("backbone", {}).get("pretrained")
