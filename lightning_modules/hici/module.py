@@ -21,7 +21,7 @@ The recipe (spec ../shared/papers/hici.md, from the released ``fine-tune_hici.py
   ``ppl_stride``) on the validation stream and passkey retrieval at ``passkey_lengths`` (``passkey_samples`` each),
   scored from greedy generated tokens.
 
-Added parameters (tests/test_hici.py, LLaMA-2-7B on the meta device): 12.17M per layer (8.42M local + 3.75M
+Added parameters (tests/test_hici.py, LLaMA-2-7B on the meta device): 12.17M per layer (8.43M local + 3.75M
 global), 389.5M in all = 5.78% of the base model, 5.46% of the adapted model — the spec's arithmetic (~5.7%) and the
 abstract page's "<5.5%" agree once the latter is read as a fraction of base + added; LoRA adds 8.4M more.
 """
