@@ -251,7 +251,7 @@ def test_uniform_tiny_smoke_keeps_one_rate(tmp_path):
 
     value, metrics = run_experiment("uniform_tiny", tmp_path)
     assert metrics["status"] == "ok" and math.isfinite(value)
-    assert metrics["final"]["train/loss"] < math.log(2048) - 0.3  # 20 steps inside a 50-step warmup at 1e-3
+    assert metrics["final"]["train/loss"] < math.log(2048) - 0.5  # 20 steps inside a 50-step warmup
     ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
     assert len(set(_groups(ckpt))) == 1 and len(ckpt["optimizer_states"][0]["param_groups"]) == 4 * 7 + 3
 
