@@ -144,7 +144,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--every", type=int, default=10, help="LLR recompute interval (paper: 100 of 3200+ steps)")
     p.add_argument("--ramp", type=int, default=5, help="LLR ramp length (paper: 50)")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr", type=float, default=3e-3, help="uniform base rate (lm_tiny's)")
     p.add_argument("--muon-lr", type=float, default=0.02)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
