@@ -65,7 +65,8 @@ class CausalLMModule(L.LightningModule):
 
     def configure_model(self) -> None:
         if self.model is None:
-            self.model = self.build_model()
+            # from_pretrained returns eval mode; follow the module's own mode so dropout trains as configured
+            self.model = self.build_model().train(self.training)
         mesh = getattr(self, "device_mesh", None)
         if mesh is not None:  # FSDP2 through ModelParallelStrategy: shard each decoder layer, then the root
             from torch.distributed.fsdp import FSDPModule, fully_shard
