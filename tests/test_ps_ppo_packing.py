@@ -77,7 +77,7 @@ def test_packed_update_matches_padded_loss_and_gradient(method):
     torch.testing.assert_close(gk, gp, atol=1e-6, rtol=1e-4)
     assert sk["kept"] == sp["kept"] and sk["clipped"] == sp["clipped"]
     if method == "ps_ppo":  # truncated rows of unequal length: padding costs the longest, packing the sum
-        assert sk["saved_bytes_sum"] < sp["saved_bytes_sum"]
+        assert sk["saved_bytes_sum"] < sp["saved_bytes_sum"] and sk["saved_bytes"] < sp["saved_bytes"]
 
 
 def test_packed_saved_activations_follow_the_sum_of_kept_tokens():
@@ -96,3 +96,20 @@ def test_packed_saved_activations_follow_the_sum_of_kept_tokens():
     tokens_pad = len(ro) * (ro.prompt_len + int(kept.max()))
     tokens_pack = int(ro.prompt_lengths.sum() + kept.sum())
     assert pack < pad * (tokens_pack / tokens_pad) * 1.5 and pack < 0.6 * pad
+
+
+def test_packed_micro_batches_balance_tokens():
+    """Packed: as many forwards as padded, every row once, each within one row of the mean load (greedy LPT)."""
+    from lightning_modules.common.rl.module import RLModule
+
+    g = torch.Generator().manual_seed(0)
+    kept, prompts = torch.randint(0, 40, (37,), generator=g), torch.randint(1, 9, (37,), generator=g)
+    spec = {"family": "llama", "pretrained": None, "config": {}}
+    padded = RLModule(spec, micro_batch_size=8).micro_batches(kept, prompts)
+    packed = RLModule(spec, micro_batch_size=8, packing=True).micro_batches(kept, prompts)
+    assert len(packed) == len(padded) == 5
+    assert sorted(torch.cat(packed).tolist()) == list(range(37))
+    cost = kept + prompts * (kept > 0)
+    loads = [int(cost[b].sum()) for b in packed]
+    assert max(loads) <= cost.sum() / len(packed) + cost.max()
+    assert max(loads) < max(len(b) * int(kept[b].max() + prompts.max()) for b in padded)  # padded's largest forward
