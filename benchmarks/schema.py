@@ -244,5 +244,7 @@ def run_benchmark(paper: str, main: Callable[[list[str]], Any], claims: Callable
     except ModuleNotFoundError as err:
         raise SystemExit(f"benchmarks.{paper}: {missing_extra(err)}") from None
     found, figures = claims(result, argv)
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    module = spec.name if spec is not None and spec.name.startswith("benchmarks.") else f"benchmarks.{paper}"
     return write_results(paper, found, wall_s=time.perf_counter() - t0, figures=figures,
-                         command=" ".join(["python -m", f"benchmarks.{paper}", *argv]), wandb=wandb)
+                         command=" ".join(["python -m", module, *argv]), wandb=wandb)
