@@ -158,7 +158,7 @@ def claims(rows, argv):
         tok = r["resp_tokens_bp"] / base["resp_tokens_bp"]
         found.append(Claim(
             f"compute_p{q}", "PS-PPO achieves large reductions in training compute",
-            f"update-pass wall time per update, PS-PPO packed p_full={q} / GRPO packed", t, "< 1", verdict_at_most(t, 1.0, tse),
+            f"update-pass wall time per update, PS-PPO packed p_full={q} / GRPO packed", t, "< 1", verdict_at_most(t, 1.0, tse, strict=True),
             f"{t:.3f} ± {tse or 0:.3f} over {n} updates with {tok:.3f}x the response tokens backpropagated "
             f"(E[C]/T = {(1 + float(q)) / 2:.2f})", tse, n))
         (mr, sr, nr), (mb, sb, _) = mean_se(r["reward_last"]), mean_se(base["reward_last"])

@@ -36,11 +36,13 @@ def slopes(cells) -> np.ndarray:
 
 def bootstrap(df, stat, n_boot: int, seed: int) -> tuple[float, float, int, str]:
     """stat(df), its bootstrap SE over seeds (over rows when there is one seed), the count and its unit."""
+    import pandas as pd
+
     rng = np.random.default_rng(seed)
     seeds = df["seed"].unique()
     if len(seeds) > 1:
         groups = [df[df["seed"] == s] for s in seeds]
-        draw = lambda: __import__("pandas").concat([groups[i] for i in rng.integers(0, len(groups), len(groups))])
+        draw = lambda: pd.concat([groups[i] for i in rng.integers(0, len(groups), len(groups))])
         k, unit = len(seeds), "seeds"
     else:
         draw = lambda: df.iloc[rng.integers(0, len(df), len(df))]
@@ -50,7 +52,7 @@ def bootstrap(df, stat, n_boot: int, seed: int) -> tuple[float, float, int, str]
 
 
 def sign_claim(cid, quote, metric, value, se, k, unit, sign: int) -> Claim:
-    v = verdict_at_least(sign * value, 0.0, se)
+    v = verdict_at_least(sign * value, 0.0, se, strict=True)
     lo, hi = value - 1.645 * se, value + 1.645 * se
     side = {"held": "excludes 0 on the paper's side", "not_held": "excludes 0 on the other side",
             "inconclusive": "contains 0: noise as large as the effect"}[v]

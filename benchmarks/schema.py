@@ -64,22 +64,25 @@ def mean_se(values: Iterable[float]) -> tuple[float, float | None, int]:
     return m, math.sqrt(var / len(xs)), len(xs)
 
 
-def verdict_at_least(value: float | None, target: float, stderr: float | None = None, z: float = 1.645) -> str:
-    """``held`` if value ≥ target beyond z standard errors, ``not_held`` if below beyond them, else
-    ``inconclusive`` (with no standard error the comparison is exact)."""
+def verdict_at_least(value: float | None, target: float, stderr: float | None = None, z: float = 1.645,
+                     strict: bool = False) -> str:
+    """``held`` if value ≥ target (> with ``strict``) beyond z standard errors, ``not_held`` if on the other side
+    beyond them, else ``inconclusive`` (with no standard error the comparison is exact)."""
     if value is None or not math.isfinite(value):
         return "inconclusive"
     margin = z * stderr if stderr else 0.0
-    if value - margin >= target:
+    lo, hi = value - margin, value + margin
+    if lo > target or (lo == target and not strict):
         return "held"
-    if value + margin < target:
+    if hi < target or (hi == target and strict):
         return "not_held"
     return "inconclusive"
 
 
-def verdict_at_most(value: float | None, target: float, stderr: float | None = None, z: float = 1.645) -> str:
-    """Mirror of :func:`verdict_at_least`: ``held`` if value ≤ target beyond z standard errors."""
-    return verdict_at_least(None if value is None else -value, -target, stderr, z)
+def verdict_at_most(value: float | None, target: float, stderr: float | None = None, z: float = 1.645,
+                    strict: bool = False) -> str:
+    """Mirror of :func:`verdict_at_least`: ``held`` if value ≤ target (< with ``strict``) beyond z standard errors."""
+    return verdict_at_least(None if value is None else -value, -target, stderr, z, strict)
 
 
 # --- validation ----------------------------------------------------------------------------------------------

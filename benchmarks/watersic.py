@@ -189,15 +189,15 @@ def claims(df, argv):
     diff = float((both["gap_gptq"] - both["gap_ws"]).min())
     found.append(Claim("gptq_gap_larger", "a popular GPTQ algorithm may have an arbitrarily large gap to the IT limit",
                        "GPTQ gap − WaterSIC gap on spread Σ (three decades), smallest over rates", diff, "> 0",
-                       verdict_at_least(diff, 1e-12), "GPTQ − WaterSIC gap per rate: " + ", ".join(
+                       verdict_at_least(diff, 0.0, strict=True), "GPTQ − WaterSIC gap per rate: " + ", ".join(
                            f"{r:g} bits {d:+.3f}" for r, d in zip(both["nominal"], both["gap_gptq"] - both["gap_ws"]))))
     vs = df[(df["method"] == "watersic")].dropna(subset=["vs_huff"])
     if len(vs):
         worst = vs.loc[vs["vs_huff"].idxmax()]
         found.append(Claim("beats_huffman_gptq", "establishes new state-of-the-art performance for all quantization "
                            "rates from 1 to 4 bits", "output MSE WaterSIC / Huffman-GPTQ at equal rate, worst layer and "
-                           "rate", float(worst["vs_huff"]), "< 1 at every rate", verdict_at_most(float(worst["vs_huff"]),
-                                                                                                 1 - 1e-12),
+                           "rate", float(worst["vs_huff"]), "< 1 at every rate",
+                           verdict_at_most(float(worst["vs_huff"]), 1.0, strict=True),
                            f"worst at {worst['case']} {worst['nominal']:g} bits (per-layer MSE, not LLM perplexity)"))
     found.append(Claim("llm_perplexity", "Applying WaterSIC to the Llama and Qwen family of LLMs", "WikiText-2 perplexity",
                        None, "paper: state of the art at 1-4 bits", "not_measurable_here",

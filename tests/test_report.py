@@ -89,6 +89,8 @@ def test_verdicts_follow_value_target_and_noise():
     assert verdict_at_most(0.6, 0.65, stderr=0.1) == "inconclusive"  # 0.6 ± 0.16 straddles 0.65
     assert verdict_at_least(0.3, 0.0, stderr=0.1) == "held" and verdict_at_least(-0.3, 0.0, stderr=0.1) == "not_held"
     assert verdict_at_least(0.1, 0.0, stderr=0.1) == "inconclusive" and verdict_at_least(None, 0.0) == "inconclusive"
+    assert verdict_at_least(0.0, 0.0) == "held" and verdict_at_least(0.0, 0.0, strict=True) == "not_held"
+    assert verdict_at_most(1.0, 1.0, strict=True) == "not_held" and verdict_at_most(0.99, 1.0, strict=True) == "held"
     m, se, n = mean_se([1.0, 2.0, 3.0, 6.0])
     assert (m, n) == (3.0, 4) and math.isclose(se, math.sqrt(14 / 3 / 4))
     assert mean_se([2.0]) == (2.0, None, 1)
