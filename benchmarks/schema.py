@@ -234,7 +234,7 @@ def missing_extra(err: ModuleNotFoundError) -> str:
 
 
 def run_benchmark(paper: str, main: Callable[[list[str]], Any], claims: Callable[[Any, list[str]], tuple],
-                  argv: Sequence[str] | None = None) -> Path:
+                  argv: Sequence[str] | None = None, out_dir: Path = RESULTS) -> Path:
     """Run ``main(argv)``, then write its claims: ``claims(result, argv) -> (claims, figure paths)``.
 
     ``--wandb`` (removed before ``main`` sees argv) also logs the claims table and figures to W&B."""
@@ -250,4 +250,4 @@ def run_benchmark(paper: str, main: Callable[[list[str]], Any], claims: Callable
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     module = spec.name if spec is not None and spec.name.startswith("benchmarks.") else f"benchmarks.{paper}"
     return write_results(paper, found, wall_s=time.perf_counter() - t0, figures=figures,
-                         command=" ".join(["python -m", module, *argv]), wandb=wandb)
+                         command=" ".join(["python -m", module, *argv]), out_dir=out_dir, wandb=wandb)

