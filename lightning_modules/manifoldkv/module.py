@@ -119,6 +119,6 @@ class KVPressEvalModule(CausalLMModule):
             "press": self.press_spec,
             "accuracy_per_task": per_cell,
             "retained_fraction_per_head": {layer: torch.tensor(v).mean(0).tolist() for layer, v in budgets.items()},
-            "predictions": [{k: r[k] for k in ("task", "length", "prediction", "outputs", "score")}
+            "predictions": [{k: r[k] for k in ("task", "length", "context_tokens", "prediction", "outputs", "score")}
                             for r in rows[: self.n_predictions]],
         }
