@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from datamodules.ruler import TASKS, RulerDataModule, encode, load_ruler_files, ruler_sample
+from datamodules.ruler import RULER_TASKS, TASKS, RulerDataModule, encode, load_ruler_files, ruler_sample
 from lightning_modules.common.kv_press import AdaKV, Block, KeyDiff, KNorm, StreamingLLM
 from lightning_modules.manifoldkv.press import ManifoldKV, WindowedManifoldKV
 from tests.helpers import ROOT
@@ -201,22 +201,54 @@ def test_chat_template_keeps_the_question_after_the_compressed_context(tok):
     assert question == s["question"] + "</user><assistant>" + s["answer_prefix"]
 
 
-def test_real_ruler_files_load_and_bad_files_name_the_fix(tmp_path, tok):
-    rec = {"context": "The code is 123.", "question": " What is the code?", "answer_prefix": " The code is",
-           "answer": ["123"], "task": "qa_1", "max_new_tokens": 8}
-    path = tmp_path / "ruler.jsonl"
-    path.write_text(json.dumps(rec) + "\n" + json.dumps({**rec, "answer": ["9"], "task": "vt"}) + "\n")
-    rows = load_ruler_files(str(path))
-    assert [r["outputs"] for r in rows] == [["123"], ["9"]] and rows[0]["task"] == "qa_1"
-    dm = RulerDataModule(tok, tasks=["vt"], source="files", files=str(path))
+def write_ruler_copy(root, lengths=(4096, 8192), per_task=3, tasks=RULER_TASKS):
+    """A local copy in kvpress's simonjegou/ruler layout: <root>/<length>/ holding one file of every task's records."""
+    for n in lengths:
+        (root / str(n)).mkdir(parents=True)
+        records = [{"context": f"ctx {n} {t} {i}: the code is {n + i}.", "question": f" What is the code ({t})?",
+                    "answer_prefix": " The code is", "answer": [str(n + i)], "task": t, "max_new_tokens": 32}
+                   for t in tasks for i in range(per_task)]
+        if n == 4096:
+            (root / "4096" / "test-00000-of-00001.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        else:
+            import pandas as pd
+
+            pd.DataFrame(records).to_parquet(root / str(n) / "test-00000-of-00001.parquet")
+
+
+def test_real_ruler_files_read_all_13_tasks_at_the_asked_lengths(tmp_path, tok):
+    write_ruler_copy(tmp_path)
+    dm = RulerDataModule(tok, source="files", files=str(tmp_path), lengths=[4096], samples_per_task=2)
     dm.setup()
-    assert len(dm.samples) == 1 and dm.samples[0]["task"] == "vt"
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"input": "x", "outputs": ["1"]}) + "\n")
-    with pytest.raises(ValueError, match="context, question, task"):
-        load_ruler_files(str(bad))
+    assert len(dm.samples) == 13 * 2 and {s["length"] for s in dm.samples} == {4096}
+    assert [s["task"] for s in dm.samples[:13]] == list(RULER_TASKS)  # sample-major: the first batches see every task
+    first = dm.samples[0]
+    assert first["outputs"] == ["4096"] and first["context"].startswith("ctx 4096 niah_single_1 0")
+    assert tok.decode(first["question_ids"]) == first["question"] + first["answer_prefix"]
+    dm = RulerDataModule(tok, source="files", files=str(tmp_path), lengths=[8192, 4096], tasks=["qa_1", "vt"],
+                         samples_per_task=None)
+    dm.setup()
+    assert [(s["length"], s["task"]) for s in dm.samples[:4]] == [(8192, "vt"), (8192, "qa_1"), (4096, "vt"), (4096, "qa_1")]
+    assert len(dm.samples) == 2 * 2 * 3 and dm.samples[1]["outputs"] == ["8192"]
+
+
+def test_real_ruler_files_name_the_fix(tmp_path, tok):
+    write_ruler_copy(tmp_path, lengths=(4096,), tasks=("vt",))
+    with pytest.raises(ValueError, match=r"no 16384/ directory \(context lengths there: \['4096'\]\)"):
+        load_ruler_files(tmp_path, [16384])
+    with pytest.raises(ValueError, match=r"\['qa_1'\] not in"):
+        load_ruler_files(tmp_path, [4096], tasks=["vt", "qa_1"])
+    with pytest.raises(ValueError, match="unknown \\['niah_single'\\] for data.source=files"):
+        RulerDataModule(tok, source="files", files=str(tmp_path), tasks=["niah_single"])
+    with pytest.raises(ValueError, match="unknown \\['qa_1'\\] for data.source=synthetic"):
+        RulerDataModule(tok, tasks=["qa_1"])
     with pytest.raises(ValueError, match="data.files"):
         RulerDataModule(tok, source="files")
+    bad = tmp_path / "bad" / "4096"
+    bad.mkdir(parents=True)
+    (bad / "x.jsonl").write_text(json.dumps({"input": "x", "outputs": ["1"]}) + "\n")
+    with pytest.raises(ValueError, match="context, question, task"):
+        load_ruler_files(tmp_path / "bad", [4096])
 
 
 def test_eval_module_scores_planted_answers_with_string_match(tiny_lm_dir, tok):

@@ -3,7 +3,8 @@
 The paper's procedure is an evaluation, so it runs as the module's test loop (``task: test``): for every sample the
 context is prefilled under the press (compressed once), the question + answer prefix are appended after
 compression and the answer is greedy-decoded (``kv_press.prefill_and_answer``). Scored by RULER's string match
-(all references; any reference for ``qa_*`` tasks), reported x100 as RULER does.
+(all references; any reference for ``qa_*`` tasks) after kvpress's clean-up of the prediction, reported x100 as
+RULER does.
 
 Logged: ``test/accuracy`` (mean over task x length cells), ``test/acc/<task>/<length>``, ``test/answer_nll``
 (teacher-forced NLL per token of the first reference: a graded signal where a tiny model scores 0 on RULER),
@@ -25,6 +26,7 @@ Keys are the post-RoPE cached keys (the spec's [INF]; the sources are silent).
 """
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from typing import Any, Callable, Mapping
 
@@ -84,7 +86,8 @@ class KVPressEvalModule(CausalLMModule):
             budget = min(budget, self.max_new_tokens)
         out = prefill_and_answer(self.model, self.press, sample["context_ids"], [sample["question_ids"]],
                                  max_new_tokens=budget, eos_token_id=tok.eos_token_id, gold=[sample["gold_ids"]])
-        pred = tok.decode(out.answers[0], skip_special_tokens=True)
+        # kvpress's RULER scorer strips control characters before matching
+        pred = re.sub(r"[\x00-\x1f]", "", tok.decode(out.answers[0], skip_special_tokens=True).strip()).strip()
         metric = string_match_part if sample["task"].startswith("qa") else string_match_all
         self.rows.append({
             "task": sample["task"], "length": int(sample["length"]), "score": 100.0 * metric(pred, sample["outputs"]),
