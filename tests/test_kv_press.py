@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from lightning_modules.common.kv_press import (AdaKV, Block, KeyDiff, KNorm, ScorerPress, SnapKV, StreamingLLM,
-                                               crop_cache, prefill_and_answer)
+                                               prefill_and_answer)
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 L_CTX = 40
@@ -85,7 +85,7 @@ def test_question_appended_after_compression_decodes_at_the_right_positions(mode
     # uncompressed: identical to greedy decoding of context + question as one sequence (positions continue at L)
     out = prefill_and_answer(model, KeyDiff(0.0), context, [question, question], max_new_tokens=5)
     expected = greedy_reference(model, torch.cat([context[0], question]), 5)
-    assert out.answers == [expected, expected]  # the cache was cropped back between the two questions
+    assert out.answers == [expected, expected]  # the cache was restored between the two questions
     # compressed: the question runs on the shortened cache, one compressed context serves both questions
     out = prefill_and_answer(model, KeyDiff(0.5), context, [question, question[:3]], max_new_tokens=4,
                              gold=[question[:2], question[:2]])
@@ -197,7 +197,8 @@ def test_tiny_context_keeps_one_token_and_a_question_is_never_compressed(model, 
         assert [layer.keys.shape[-2] for layer in cache.layers] == [1, 1]
         model(input_ids=question, position_ids=torch.arange(5, 8)[None], cache=cache, use_cache=True)
         assert [layer.keys.shape[-2] for layer in cache.layers] == [4, 4]  # 1 kept + 3 question tokens, uncompressed
-        crop_cache(cache, 0)  # an empty cache: still no prefill, the question starts at position 5
+        for layer in cache.layers:  # an empty cache: still no prefill, the question starts at position 5
+            layer.keys, layer.values = layer.keys[:, :, :0], layer.values[:, :, :0]
         model(input_ids=question, position_ids=torch.arange(5, 8)[None], cache=cache, use_cache=True)
         assert [layer.keys.shape[-2] for layer in cache.layers] == [3, 3]
     out = prefill_and_answer(model, KNorm(0.9), context, [question[0]], max_new_tokens=3, gold=[question[0, :2]])
@@ -265,3 +266,32 @@ def test_the_press_configs_cover_the_baselines_and_wrappers_need_a_scorer():
         AdaKV(press=Block(press=KNorm(0.5)))
     with pytest.raises(ValueError, match="fraction removed"):
         KNorm(1.0)
+
+
+SLIDING = {  # model_type -> (config, layers a press compresses on a 40-token context)
+    "gemma3_text": (dict(num_hidden_layers=6, sliding_window=16), [5]),  # window < context: only the global layer
+    "ministral": (dict(num_hidden_layers=4, sliding_window=64, layer_types=["full_attention"] + ["sliding_attention"] * 3),
+                  [0, 1, 2, 3]),  # window > context: every layer holds the context and is compressed
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(SLIDING))
+def test_sliding_window_models_compress_the_layers_that_hold_the_context(ids, model_type):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra, compressed = SLIDING[model_type]
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, vocab_size=97, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, **extra)
+    sliding = AutoModelForCausalLM.from_config(cfg).eval()
+    context, question = ids
+    out = prefill_and_answer(sliding, KNorm(0.5), context, [question, question], max_new_tokens=3,
+                             gold=[question[:2], question[:2]])
+    assert sorted(out.summary["kept_per_head"]) == compressed and out.summary["kv_kept_fraction"] == 0.5
+    assert out.answers[0] == out.answers[1] and out.answer_nll[0] == out.answer_nll[1]  # context restored each time
+    # uncompressed, through the sliding layers: the answer NLL of one plain forward over context + question + answer
+    full = prefill_and_answer(sliding, KNorm(0.0), context, [question], max_new_tokens=2, gold=[question[:2]])
+    with torch.no_grad():
+        logp = sliding(input_ids=torch.cat([context[0], question, question[:2]])[None]).logits[0].log_softmax(-1)
+    reference = -logp[-3:-1].gather(-1, question[:2].view(-1, 1)).mean().item()
+    assert full.answer_nll[0] == pytest.approx(reference, abs=1e-4)

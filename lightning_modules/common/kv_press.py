@@ -6,7 +6,8 @@ The contract is kvpress's (NVIDIA), re-implemented for transformers 5.x (where t
   It hooks every decoder layer's ``self_attn``; at **prefill only** (the layer's cache was empty before this
   forward and its first position is 0, so a question appended to a compressed cache never counts) it reads the
   post-RoPE cached keys/values (``cache.layers[i].keys``: batch x kv_heads x L x d), calls ``compress`` and
-  writes the shortened tensors back. Prefill attention itself sees the full context;
+  writes the shortened tensors back. A sliding-window layer whose window is shorter than the context is left as
+  is (as kvpress does for Gemma-3). Prefill attention itself sees the full context;
   only later tokens (question, answer) see the compressed cache.
 - ``ScorerPress``: ``compression_ratio`` is the fraction of KV pairs *removed* (0 = identity); a subclass
   implements ``score(module, hidden_states, keys, values, kwargs) -> (batch, kv_heads, L)`` (higher = keep) and
@@ -25,8 +26,8 @@ The contract is kvpress's (NVIDIA), re-implemented for transformers 5.x (where t
   can be logged (``press.summary()``).
 
 ``prefill_and_answer`` is the kvpress pipeline: compress the context once, then for each question append it
-after compression (positions continue from the *uncompressed* context length), greedy-decode, and crop the cache
-back to the compressed context before the next question.
+after compression (positions continue from the *uncompressed* context length), greedy-decode, and restore the
+cache to the compressed context before the next question.
 """
 from __future__ import annotations
 
@@ -100,8 +101,12 @@ class Press:
         module.press_prefill = False
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         layer = kwargs.get("cache", kwargs.get("past_key_values")).layers[module.layer_idx]
+        if layer.keys.shape[-2] != hidden.shape[1]:
+            return output  # a sliding-window layer shorter than the context: left as is (kvpress, Gemma-3)
         keys, values = self.compress(module, hidden, layer.keys, layer.values, kwargs)
         layer.keys, layer.values = keys.contiguous(), values.contiguous()
+        if hasattr(layer, "cumulative_length"):  # a sliding-window layer sizes its mask by this count, not keys
+            layer.cumulative_length = keys.shape[-2]
         evicted = getattr(module, "press_evicted", None)
         kept = torch.full(keys.shape[:2], keys.shape[-2], device=keys.device)
         if evicted is not None:
@@ -376,10 +381,17 @@ def _register_masked_attention() -> None:
 
 
 # --- the pipeline: compress the context once, answer several questions -----------------------------------
-def crop_cache(cache, length: int) -> None:
-    for layer in cache.layers:
-        if layer.keys is not None and layer.keys.shape[-2] > length:
-            layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
+def cache_state(cache) -> list[tuple]:
+    """Each layer's (keys, values, seen-token count): enough to put the compressed context back after a question.
+    Restoring a saved state (not cropping to a length) also serves sliding-window layers, which drop old tokens."""
+    return [(layer.keys, layer.values, getattr(layer, "cumulative_length", None)) for layer in cache.layers]
+
+
+def restore_cache(cache, state: list[tuple]) -> None:
+    for layer, (keys, values, seen) in zip(cache.layers, state):
+        layer.keys, layer.values = keys, values
+        if seen is not None:
+            layer.cumulative_length = seen
 
 
 @dataclass
@@ -409,7 +421,7 @@ def prefill_and_answer(model, press: Press | None, context_ids: torch.Tensor, qu
         model(input_ids=context_ids, cache=cache, use_cache=True, logits_to_keep=1)
         prefill_s = time.perf_counter() - t0
         summary = press.summary() if press is not None else {"kv_kept_fraction": 1.0, "kept_per_head": {}}
-        c_len = cache.get_seq_length()
+        context_state = cache_state(cache)
         answers, nlls, decode_s = [], [], 0.0
         for qi, question in enumerate(questions):
             t0 = time.perf_counter()
@@ -426,7 +438,7 @@ def prefill_and_answer(model, press: Press | None, context_ids: torch.Tensor, qu
                     break
                 out_tokens.append(tok)
                 ids = torch.tensor([[tok]], device=device)
-            crop_cache(cache, c_len)
+            restore_cache(cache, context_state)
             decode_s += time.perf_counter() - t0
             answers.append(out_tokens)
             g = gold[qi] if gold is not None else None
@@ -436,7 +448,7 @@ def prefill_and_answer(model, press: Press | None, context_ids: torch.Tensor, qu
             full = torch.cat([question.to(device).view(-1), g.to(device).view(-1)])[None]
             positions = torch.arange(L, L + full.shape[1], device=device)[None]
             logits = model(input_ids=full, position_ids=positions, cache=cache, use_cache=True).logits[0].float()
-            crop_cache(cache, c_len)
+            restore_cache(cache, context_state)
             n_q = question.numel()
             logp = logits[n_q - 1: -1].log_softmax(-1)
             nlls.append(float(-logp.gather(-1, g.to(device).view(-1, 1)).mean()))
