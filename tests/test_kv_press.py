@@ -268,21 +268,26 @@ def test_the_press_configs_cover_the_baselines_and_wrappers_need_a_scorer():
         KNorm(1.0)
 
 
+TEXT = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, max_position_embeddings=256)
 SLIDING = {  # model_type -> (config, layers a press compresses on a 40-token context)
-    "gemma3_text": (dict(num_hidden_layers=6, sliding_window=16), [5]),  # window < context: only the global layer
-    "ministral": (dict(num_hidden_layers=4, sliding_window=64, layer_types=["full_attention"] + ["sliding_attention"] * 3),
-                  [0, 1, 2, 3]),  # window > context: every layer holds the context and is compressed
+    "gemma3_text": (dict(**TEXT, num_hidden_layers=6, sliding_window=16), [5]),  # window < context: global layer only
+    "gemma3": (dict(mm_tokens_per_image=4, text_config=dict(**TEXT, num_hidden_layers=6, sliding_window=16),
+                    vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                       image_size=56, patch_size=14, vision_use_head=False)), [5]),  # as released
+    "ministral": (dict(**TEXT, num_hidden_layers=4, sliding_window=64,
+                       layer_types=["full_attention"] + ["sliding_attention"] * 3), [0, 1, 2, 3]),  # window > context
 }
 
 
 @pytest.mark.parametrize("model_type", sorted(SLIDING))
 def test_sliding_window_models_compress_the_layers_that_hold_the_context(ids, model_type):
+    """Gemma-3 (1024-token windows, here 16) and Ministral (32K windows, here 64) on a 40-token context."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    extra, compressed = SLIDING[model_type]
+    config, compressed = SLIDING[model_type]
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, vocab_size=97, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, **extra)
+    cfg = AutoConfig.for_model(model_type, **config)
     sliding = AutoModelForCausalLM.from_config(cfg).eval()
     context, question = ids
     out = prefill_and_answer(sliding, KNorm(0.5), context, [question, question], max_new_tokens=3,

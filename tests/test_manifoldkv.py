@@ -347,7 +347,9 @@ def test_manifoldkv_tiny_smoke(tmp_path):
     assert not (tmp_path / "checkpoints" / "last.ckpt").exists()  # an evaluation writes no checkpoint
 
 
-PAPER_SCALE = {"manifoldkv_llama31_8b": "meta-llama/Llama-3.1-8B-Instruct", "manifoldkv_qwen3_8b": "Qwen/Qwen3-8B"}
+PAPER_SCALE = {"manifoldkv_llama31_8b": "meta-llama/Llama-3.1-8B-Instruct", "manifoldkv_qwen3_8b": "Qwen/Qwen3-8B",
+               "manifoldkv_ministral_8b": "mistralai/Ministral-8B-Instruct-2410",
+               "manifoldkv_gemma3_12b": "google/gemma-3-12b-it"}  # the spec's four architectures
 
 
 @pytest.mark.parametrize("name", sorted(PAPER_SCALE))
