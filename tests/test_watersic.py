@@ -4,9 +4,10 @@ import math
 import pytest
 import torch
 
-from lightning_modules.common.quantize import GPTQ, HuffmanGPTQ, LayerStats, WaterSIC
+from lightning_modules.common.quantize import GPTQ, HuffmanGPTQ, LayerStats
 from lightning_modules.common.quantize.limits import rate_distortion, whitened_eigenvalues
-from lightning_modules.common.quantize.watersic import secant_search, sic, watersic_step
+from lightning_modules.watersic import WaterSIC
+from lightning_modules.watersic.quantizer import entropy_target, secant_search, sic, watersic_step
 
 
 def _spread_sigma(n, seed=0):

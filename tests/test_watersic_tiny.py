@@ -37,7 +37,7 @@ def test_watersic_tiny_smoke(tmp_path, tiny_lm_dir):
 
 
 def test_driver_perplexity_rises_as_bits_fall(tiny_setup):
-    from lightning_modules.common.quantize import WaterSIC
+    from lightning_modules.watersic import WaterSIC
     from lightning_modules.common.quantize.driver import quantize_model
     from lightning_modules.common.quantize.module import nll_and_kl
 
@@ -109,3 +109,34 @@ def test_experiments_compose_and_instantiate(name, tmp_path):
     if not name.endswith("_tiny"):
         assert cfg.data.seq_len == 2048 and cfg.model.eval_files.endswith("wiki.test.txt")
         assert cfg.model.mode == "sequential"
+
+
+@pytest.mark.parametrize("choice,cls,name", [("rtn", "RTN", "rtn"), ("gptq", "GPTQ", "gptq"),
+                                             ("huffman_gptq", "GPTQ", "huffman_gptq"), ("watersic", "WaterSIC", "watersic")])
+def test_quantizer_is_chosen_by_config_group(choice, cls, name, tmp_path):
+    """``model/quantizer=<name>`` builds that class by ``_target_``; its settings are kept as plain hparams that rebuild it."""
+    from hydra.utils import instantiate
+
+    from tests.helpers import compose
+
+    module = instantiate(compose("gptq_tiny", [f"model/quantizer={choice}"], output_dir=tmp_path).model, _convert_="all")
+    assert type(module.quantizer).__name__ == cls and module.method == name
+    rebuilt = instantiate(module.hparams["quantizer"])
+    assert type(rebuilt) is type(module.quantizer) and vars(rebuilt) == vars(module.quantizer)
+
+
+def test_default_quantizers_and_the_removed_method_key(tmp_path):
+    from hydra.utils import instantiate
+
+    from lightning_modules.common.quantize import GPTQ
+    from lightning_modules.common.quantize.module import QuantizeLMModule
+    from lightning_modules.watersic import WaterSIC, WaterSICModule
+    from tests.helpers import compose
+
+    assert isinstance(QuantizeLMModule({"family": "llama"}).quantizer, GPTQ)  # the common baseline, not a paper's
+    assert isinstance(WaterSICModule({"family": "llama"}).quantizer, WaterSIC)
+    cfg = compose("gptq_tiny", ["model.method=rtn"], output_dir=tmp_path)
+    with pytest.raises(Exception) as info:
+        instantiate(cfg.model, _convert_="all")
+    cause = info.value.__cause__ or info.value  # Hydra wraps errors raised in a constructor
+    assert isinstance(cause, ValueError) and str(cause) == "model.method=rtn is gone: choose the quantizer with model/quantizer=rtn"

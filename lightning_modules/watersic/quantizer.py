@@ -28,7 +28,7 @@ import torch
 
 from lightning_modules.common.quantize.base import LayerStats, QuantResult, Quantizer, dead_columns
 from lightning_modules.common.quantize.rate import (RateReport, column_entropy_bits, entropy_bits,
-                                                    watersic_entropy_target, watersic_side_bits)
+                                                    row_and_column_side_bits)
 
 
 def watersic_step(weight: torch.Tensor, chol: torch.Tensor, r: float) -> tuple[float, torch.Tensor]:
@@ -118,6 +118,12 @@ def find_optimal_rescalers(A: torch.Tensor, g0: torch.Tensor, sig_hat: torch.Ten
     return t, g, history
 
 
+def entropy_target(rate: float, rows: int, cols: int, live_cols: int) -> float:
+    """The code entropy (bits per live code) that makes the total rate equal ``rate`` (spec §4.2 step 7)."""
+    side = row_and_column_side_bits(rows, live_cols, cols - live_cols)
+    return (rate * rows * cols - side) / (rows * max(live_cols, 1))
+
+
 def secant_search(entropy_at, target: float, tol: float = 0.005, max_evals: int = 6, clamp: float = 10.0):
     """The spec's rate targeting: r0 = H*, r1 = r0 − (H(r0) − H*), then secant steps clamped to [−clamp, clamp],
     at most ``max_evals`` evaluations, stopping when |H − H*| < tol. Returns (best r, its H, evaluations)."""
@@ -156,7 +162,7 @@ class WaterSIC(Quantizer):
     def _entropy(self, codes):
         return entropy_bits(codes) if self.accounting == "pooled" else column_entropy_bits(codes)
 
-    def quantize(self, weight: torch.Tensor, stats: LayerStats, rate: float) -> QuantResult:
+    def quantize(self, weight: torch.Tensor, stats: LayerStats, rate: float, rate_control: bool = False) -> QuantResult:
         w_full = weight.double()
         a, n = w_full.shape
         dead = dead_columns(stats.sigma, self.dead_rel)
@@ -174,7 +180,7 @@ class WaterSIC(Quantizer):
         evals = []
         r = rate
         if self.target_rate:
-            h_star = watersic_entropy_target(rate, a, n, n_live)
+            h_star = entropy_target(rate, a, n, n_live)
             gen = torch.Generator().manual_seed(self.seed)
             k = min(a, max(self.search_min_rows, int(math.ceil(self.search_fraction * a))))
             if self.accounting == "column":  # per-column plug-in entropy on 10% of rows is biased low: use all
@@ -204,7 +210,7 @@ class WaterSIC(Quantizer):
         zl = codes[:, live]
         report = RateReport(rows=a, cols=n, live_cols=n_live, entropy_pooled=entropy_bits(zl),
                             entropy_column=column_entropy_bits(zl),
-                            side_bits=watersic_side_bits(a, n_live, n - n_live), levels=None, accounting=self.accounting)
+                            side_bits=row_and_column_side_bits(a, n_live, n - n_live), levels=None, accounting=self.accounting)
         info["alpha"] = alpha
         info["chol_diag"] = torch.diagonal(chol)
         return QuantResult(out, codes, report, info)
