@@ -54,6 +54,32 @@ def test_driver_perplexity_rises_as_bits_fall(tiny_setup):
     assert ppl[2] > ppl[3] > ppl[4] and kl[2] > kl[3] > kl[4] > 0
 
 
+@pytest.mark.parametrize("rate_control", [True, False])
+def test_driver_rate_control_charges_each_layer_its_actual_rate(tiny_setup, rate_control):
+    """Under rate control each layer's target is the remaining budget per remaining weight (clamped to
+    [0.05, 16]) and the quantizer is told so; without it every layer gets R and no flag."""
+    from lightning_modules.common.quantize.driver import quantize_model
+    from lightning_modules.watersic import WaterSIC
+
+    class Recorder(WaterSIC):
+        def quantize(self, weight, stats, rate, rate_control=False):
+            calls.append((rate, rate_control))
+            return super().quantize(weight, stats, rate, rate_control=rate_control)
+
+    calls = []
+    base, calib, _ = tiny_setup
+    rep = quantize_model(copy.deepcopy(base), Recorder(rescalers=False, target_rate=False), calib, 2.5,
+                         rate_control=rate_control, with_limit=False, log=None)
+    sizes = [r["rows"] * r["cols"] for r in rep["layers"]]
+    bits_left, weights_left = 2.5 * sum(sizes), sum(sizes)
+    for (target, flag), row, size in zip(calls, rep["layers"], sizes):
+        expected = min(16.0, max(0.05, bits_left / weights_left)) if rate_control else 2.5
+        assert target == pytest.approx(expected, rel=1e-12) and flag is rate_control and row["target"] == target
+        bits_left -= row["bits"] * size
+        weights_left -= size
+    assert len(calls) == 28 and (len({t for t, _ in calls}) > 1) is rate_control  # the budget moved the targets
+
+
 def test_module_kl_matches_shared_evaluator(tiny_setup):
     from lightning_modules.common.evaluation import kl_bits_per_token
     from lightning_modules.common.quantize import RTN
