@@ -197,17 +197,14 @@ class WaterSIC(Quantizer):
         chol = torch.linalg.cholesky(sig + mu * eye)
         target = torch.linalg.solve_triangular(chol, (w @ cross + mu * w).T, upper=False).T  # (WΣ_XX̂ + μW) L^{-T}
 
-        passes = {}  # r -> (c, α, Z, Ŵ, γ) of the whole layer, so the rate check reuses the final pass
-
         def full_pass(r_):
-            if r_ not in passes:
-                c_, al_ = watersic_step(w, chol, r_)
-                passes[r_] = (c_, al_, *sic(target, chol, c_, al_, self.block))
-            return passes[r_]
+            c_, al_ = watersic_step(w, chol, r_)
+            return (r_, c_, al_, *sic(target, chol, c_, al_, self.block))
 
         info = {"dead_columns": int(dead.sum())}
-        r = rate
-        if self.target_rate:
+        if not self.target_rate:
+            r, c, alpha, z, w_hat, gamma = full_pass(rate)
+        else:
             h_star = entropy_target(rate, a, n, n_live, inflate_dead=not rate_control)
             gen = torch.Generator().manual_seed(self.seed)
             k = min(a, max(self.search_min_rows, int(math.ceil(self.search_fraction * a))))
@@ -222,11 +219,20 @@ class WaterSIC(Quantizer):
                 return self._entropy(sic(t32, l32, c_, al_.float(), self.block)[0])
 
             r, _, info["secant"] = secant_search(sample_entropy, h_star, self.tol, self.max_evals)
-            # the tolerance is the layer's: check the whole layer at r and, if it missed, go on there
-            r, h, info["secant_full"] = secant_search(lambda r_: self._entropy(full_pass(r_)[2]), h_star, self.tol,
-                                                      self.max_evals, start=r)
+            # The tolerance is the layer's: check the whole layer at r and, if it missed, go on there. Only the
+            # closest whole-layer pass is kept (the secant returns the same one), so the check costs no extra memory.
+            best = []
+
+            def full_entropy(r_):
+                res_ = full_pass(r_)
+                h_ = self._entropy(res_[3])
+                if not best or abs(h_ - h_star) < abs(best[0] - h_star):
+                    best[:] = [h_, res_]
+                return h_
+
+            _, h, info["secant_full"] = secant_search(full_entropy, h_star, self.tol, self.max_evals, start=r)
+            r, c, alpha, z, w_hat, gamma = best[1]
             info.update(search_landing=info["secant_full"][0][1] - h_star, landing=h - h_star)
-        c, alpha, z, w_hat, gamma = full_pass(r)
         info.update(r=r, c=c)
         if self.rescalers:
             A = z * alpha.unsqueeze(0)
