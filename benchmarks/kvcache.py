@@ -118,8 +118,32 @@ def main(argv=None) -> dict:
     print(f"scoring time, (1, {args.heads}, {args.time_keys}, 128) fp32 keys on CPU: ManifoldKV {1e3 * t_m:.2f} ms, "
           f"KeyDiff {1e3 * t_k:.2f} ms, ratio ManifoldKV/KeyDiff {t_m / t_k:.2f}; "
           f"per head per 64K keys: {1e3 * t_m / args.heads * 65536 / args.time_keys:.3f} ms")
-    return {"table": table, "time_manifoldkv_s": t_m, "time_keydiff_s": t_k}
+    return {"table": table, "time_manifoldkv_s": t_m, "time_keydiff_s": t_k, "n": args.trials * args.needles}
+
+
+def claims(res, argv):
+    """Claims for benchmarks/results/manifoldkv.json (benchmarks/schema.py), from the measured numbers."""
+    import math
+
+    from benchmarks.schema import Claim, verdict_at_least
+
+    t, n = res["table"], res["n"]
+    out = []
+    for ratio in sorted({r for r, _ in t}):
+        m, k = t[(ratio, "ManifoldKV")][0], t[(ratio, "KeyDiff")][0]
+        se = math.sqrt((m * (1 - m) + k * (1 - k)) / n) or None  # binomial over trials x needles
+        out.append(Claim(f"needles_vs_keydiff_{ratio:g}", "ManifoldKV reduces directional collisions, achieving "
+                         "**92.4%** vs KeyDiff's 77.0%", f"planted needles kept at {ratio:.0%} compression, ManifoldKV − "
+                         "KeyDiff", m - k, "> 0 (paper: +15.4 points, 3-key NIAH at 50%)",
+                         verdict_at_least(m - k, 0.0, se, strict=True), f"ManifoldKV {m:.3f} vs KeyDiff {k:.3f} over {n} needles",
+                         se, n))
+    out.append(Claim("ruler_4k_16k", "ManifoldKV achieves **95.7%** accuracy at 4K–16K contexts with 20% compression",
+                     "RULER accuracy", None, "paper: 95.7%", "not_measurable_here",
+                     "RULER needs a long-context LLM; here one attention head with planted needles"))
+    return out, []
 
 
 if __name__ == "__main__":
-    main()
+    from benchmarks.schema import run_benchmark
+
+    run_benchmark("manifoldkv", main, claims)

@@ -11,6 +11,9 @@ One ``training_step`` = one batch of prompts:
 3. **update**: ``ppo_epochs`` passes over ``minibatches`` shuffled minibatches, one optimizer step each. A
    minibatch is split into micro-batches of ``micro_batch_size`` rows sorted by kept length, each fed only its
    longest kept prefix (gradient accumulation; the loss's divisor is fixed per minibatch so this is exact).
+   With ``packing`` a micro-batch's kept prefixes go in as one row without padding (``packed_logprobs``) and rows
+   are balanced over the micro-batches by tokens, so activation memory follows the sum of kept tokens instead of
+   rows · the longest one (:meth:`micro_batches`).
    Loss: PPO-clip with ``eps_low``/``eps_high`` (+ ``beta`` · k3 KL to π_ref), aggregated as ``aggregation``
    (``seq_mean`` | ``token_mean`` | ``dr_grpo``, divisors counting full untruncated tokens; ``losses.py``).
 
@@ -33,15 +36,18 @@ from lightning_modules.common.lm import CausalLMModule, _plain
 from lightning_modules.common.rl.advantages import compute_advantages
 from lightning_modules.common.rl.losses import AGGREGATIONS, divisors, k3_kl, policy_loss
 from lightning_modules.common.rl.rewards import exact_match_reward
-from lightning_modules.common.rl.rollouts import Rollouts, batched_logprobs, generate_rollouts, response_logprobs
+from lightning_modules.common.rl.rollouts import (Rollouts, batched_logprobs, generate_rollouts, packed_logprobs,
+                                                  response_logprobs)
 
 
 class SavedBytes:
     """Counts bytes of the tensors autograd saves for backward inside the block (activation memory of one
-    forward; works on CPU, where a process's peak RSS cannot show it). Off: a no-op."""
+    forward; works on CPU, where a process's peak RSS cannot show it). Off: a no-op. Tensors sharing storage with
+    ``exclude`` (the parameters: a linear layer saves its weight, which is not activation memory) are not counted."""
 
-    def __init__(self, enabled: bool = True):
-        self.enabled, self.bytes, self._ctx, self._seen = enabled, 0, None, set()
+    def __init__(self, enabled: bool = True, exclude=()):
+        self.enabled, self.bytes, self._ctx = enabled, 0, None
+        self._seen = {(p.untyped_storage().data_ptr(), p.dtype) for p in exclude} if enabled else set()
 
     def _pack(self, t):
         key = (t.untyped_storage().data_ptr(), t.dtype)
@@ -68,7 +74,7 @@ class RLModule(CausalLMModule):
                  max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0, ppo_epochs: int = 1,
                  minibatches: int = 1, micro_batch_size: int = 8, eps_low: float = 0.2, eps_high: float = 0.2,
                  beta: float = 0.0, max_grad_norm: float | None = 1.0, warmup: Mapping[str, Any] | None = None,
-                 val_max_new_tokens: int | None = None, measure_activations: bool = False):
+                 val_max_new_tokens: int | None = None, measure_activations: bool = False, packing: bool = False):
         super().__init__(backbone, optimizer, scheduler, weight_decay)
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"model.aggregation={aggregation!r}: choose one of {', '.join(AGGREGATIONS)}")
@@ -81,7 +87,7 @@ class RLModule(CausalLMModule):
         self.eps_low, self.eps_high, self.beta, self.max_grad_norm = eps_low, eps_high, beta, max_grad_norm
         self.warmup = _plain(warmup) if warmup else None
         self.val_max_new_tokens = val_max_new_tokens or max_new_tokens
-        self.measure_activations = measure_activations
+        self.measure_activations, self.packing = measure_activations, packing
         self.hparams["warmup"] = self.warmup
         self.tokenizer = None
         self._ref = None  # π_ref, kept out of the module tree: not trained, not checkpointed
@@ -147,15 +153,19 @@ class RLModule(CausalLMModule):
             for mb in torch.randperm(N, generator=gen).to(ro.input_ids.device).chunk(self.minibatches):
                 div = divisors(self.aggregation, lengths[mb], self.max_new_tokens)
                 total = 0.0
-                order = torch.argsort(kept[mb], stable=True)
-                for part in torch.split(order, self.micro_batch_size):
+                for part in self.micro_batches(kept[mb], ro.prompt_lengths[mb]):
                     rows, d = mb[part], div[part]
                     n = int(kept[rows].max())
                     if n == 0:
                         continue
-                    with SavedBytes(self.measure_activations) as saved:
-                        logp = response_logprobs(self.model, ro.input_ids[rows], ro.attention_mask[rows], ro.prompt_len,
-                                                 n, self.temperature)
+                    with SavedBytes(self.measure_activations, self.model.parameters()) as saved:
+                        if self.packing:  # beyond a row's cutoff: π_old's value (ratio 1, weight 0, no graph)
+                            logp, valid = packed_logprobs(self.model, ro.input_ids[rows], ro.attention_mask[rows],
+                                                          ro.prompt_len, kept[rows], self.temperature)
+                            logp = torch.where(valid, logp, logp_old[rows, :n])
+                        else:
+                            logp = response_logprobs(self.model, ro.input_ids[rows], ro.attention_mask[rows],
+                                                     ro.prompt_len, n, self.temperature)
                         w = weights[rows, :n]
                         loss, st = policy_loss(logp, logp_old[rows, :n], ro.advantages[rows], w, d,
                                                logp_ref[rows, :n] if logp_ref is not None else None, self.beta,
@@ -173,6 +183,21 @@ class RLModule(CausalLMModule):
                 stats["grad_norm"] += self._step()
                 stats["steps"] += 1
         return stats
+
+    def micro_batches(self, kept: torch.Tensor, prompt_lengths: torch.Tensor) -> list[torch.Tensor]:
+        """Index groups for one minibatch's forwards. Padded: ``micro_batch_size`` rows sorted by kept length (a
+        forward costs rows · its longest row). Packed: the same number of forwards, rows dealt longest-first to
+        the micro-batch with the fewest tokens so far, so each holds about Σ_i (p_i + C_i) / k tokens."""
+        k = -(-len(kept) // self.micro_batch_size)
+        if not self.packing:
+            return list(torch.split(torch.argsort(kept, stable=True), self.micro_batch_size))
+        cost = (kept + prompt_lengths * (kept > 0)).tolist()
+        bins, load = [[] for _ in range(k)], [0] * k
+        for i in sorted(range(len(cost)), key=lambda j: -cost[j]):
+            b = min(range(k), key=load.__getitem__)
+            bins[b].append(i)
+            load[b] += cost[i]
+        return [torch.tensor(b, dtype=torch.long, device=kept.device) for b in bins if b]
 
     def _step(self) -> float:
         opt = self.optimizers()

@@ -6,6 +6,13 @@ Prompts are **left**-padded to a common length P and responses **right**-padded 
 slice ``[:, :P + C]``. Position ids come from the attention mask (``cumsum - 1``), exactly as ``generate`` uses
 them, so log-probs recomputed in the update pass equal those of the sampling pass and a truncated forward gives
 the same log-probs as the full forward for every kept position (causal attention; tested).
+
+``packed_logprobs`` feeds the same prefixes without padding: each row's real prompt tokens and first C_i response
+tokens, concatenated into one row with per-sequence ``position_ids`` (restarting at 0) and no attention mask.
+transformers then keeps the sequences apart: on CPU / SDPA / eager it builds a block-diagonal causal mask from the
+position ids (``masking_utils.find_packed_sequence_indices``), with ``attn_implementation=flash_attention_2`` it
+takes the varlen kernel (cu_seqlens from the position ids). Activations follow Σ_i (p_i + C_i), not
+rows · (P + max C).
 """
 from __future__ import annotations
 
@@ -127,3 +134,38 @@ def batched_logprobs(model, ro: Rollouts, need: torch.Tensor, micro_batch_size: 
         out[chunk, :n] = response_logprobs(model, ro.input_ids[chunk], ro.attention_mask[chunk], ro.prompt_len, n,
                                            temperature).float()
     return out
+
+
+def packed_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
+                    kept: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`response_logprobs` for rows with their own kept lengths ``kept`` (R,), from ONE packed row.
+
+    Returns log-probs (R, max kept), zero beyond each row's kept length, and that validity mask."""
+    kept = kept.long()
+    n = int(kept.max())
+    ids, pos, keep_at, rows, cols = [], [], [], [], []
+    offset = 0
+    for i in range(input_ids.shape[0]):
+        c = int(kept[i])
+        if c == 0:
+            continue
+        seq = torch.cat([input_ids[i, :prompt_len][attention_mask[i, :prompt_len].bool()],
+                         input_ids[i, prompt_len:prompt_len + c]])
+        p = seq.numel() - c
+        ids.append(seq)
+        pos.append(torch.arange(seq.numel(), device=seq.device))
+        keep_at.append(offset + p - 1 + torch.arange(c, device=seq.device))  # logits predicting response tokens
+        rows.append(torch.full((c,), i, device=seq.device))
+        cols.append(torch.arange(c, device=seq.device))
+        offset += seq.numel()
+    ids, keep_at = torch.cat(ids).unsqueeze(0), torch.cat(keep_at)
+    out = model(input_ids=ids, position_ids=torch.cat(pos).unsqueeze(0), attention_mask=None, use_cache=False,
+                logits_to_keep=keep_at)
+    logits = out.logits[0].float()
+    if temperature and temperature != 1.0:
+        logits = logits / temperature
+    flat = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, keep_at + 1].unsqueeze(-1)).squeeze(-1)
+    rows, cols = torch.cat(rows), torch.cat(cols)
+    logp = torch.zeros((input_ids.shape[0], n), device=flat.device, dtype=flat.dtype).index_put((rows, cols), flat)
+    valid = torch.zeros_like(logp, dtype=torch.bool).index_put((rows, cols), torch.ones_like(flat, dtype=torch.bool))
+    return logp, valid
