@@ -25,8 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lightning_modules.common.quantize import GPTQ, RTN, HuffmanGPTQ, LayerStats, WaterSIC
+from lightning_modules.common.quantize import GPTQ, RTN, HuffmanGPTQ, LayerStats
 from lightning_modules.common.quantize.limits import rate_distortion, weight_covariance, whitened_eigenvalues
+from lightning_modules.watersic import WaterSIC
 
 
 def gaussian_case(rows: int, cols: int, seed: int):

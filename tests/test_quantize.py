@@ -7,7 +7,7 @@ import torch
 from lightning_modules.common.quantize import GPTQ, RTN, LayerStats, column_entropy_bits, entropy_bits
 from lightning_modules.common.quantize.limits import (SPACE_FILLING_GAP, distortion_rate, rate_distortion,
                                                       whitened_eigenvalues)
-from lightning_modules.common.quantize.rate import RateReport, watersic_entropy_target
+from lightning_modules.common.quantize.rate import RateReport, row_and_column_side_bits
 
 
 def _spread_sigma(n, seed=0, lo=-3.0, hi=0.0):
@@ -31,14 +31,9 @@ def test_entropy_helpers():
 def test_rate_report_side_information():
     # WaterSIC: a=64 rows, n=32 columns of which 4 dead; H = 2 bits per live code
     r = RateReport(rows=64, cols=32, live_cols=28, entropy_pooled=2.0, entropy_column=1.5,
-                   side_bits=16.0 * (64 + 28 + 4))
+                   side_bits=row_and_column_side_bits(64, 28, 4))
     assert r.bits == pytest.approx((2.0 * 64 * 28 + 16 * 64 + 16 * 28 + 16 * 4) / (64 * 32))
     assert r.bits_column == pytest.approx((1.5 * 64 * 28 + 16 * (64 + 32)) / (64 * 32))
-    # the entropy target inverts the accounting
-    h = watersic_entropy_target(r.bits, 64, 32, 28)
-    assert h == pytest.approx(2.0)
-    # without dead columns: H* = R − 16/a − 16/n
-    assert watersic_entropy_target(3.0, 128, 64, 64) == pytest.approx(3.0 - 16 / 128 - 16 / 64)
 
 
 def test_limit_matches_closed_form_at_identity():

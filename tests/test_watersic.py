@@ -4,9 +4,10 @@ import math
 import pytest
 import torch
 
-from lightning_modules.common.quantize import GPTQ, HuffmanGPTQ, LayerStats, WaterSIC
+from lightning_modules.common.quantize import GPTQ, HuffmanGPTQ, LayerStats
 from lightning_modules.common.quantize.limits import rate_distortion, whitened_eigenvalues
-from lightning_modules.common.quantize.watersic import secant_search, sic, watersic_step
+from lightning_modules.watersic import WaterSIC
+from lightning_modules.watersic.quantizer import entropy_target, secant_search, sic, watersic_step
 
 
 def _spread_sigma(n, seed=0):
@@ -44,35 +45,68 @@ def test_gap_to_rate_distortion_at_identity(gaussian, rate):
         assert 0.235 <= gap <= 0.27, (rescalers, gap)
 
 
-def test_sic_error_is_step_limited_in_whitened_domain(gaussian):
-    """Without gains the whitened error (W−Ŵ)L per column is the rounding error of y/c: |e| ≤ c/2 everywhere."""
+def test_sic_returned_reconstruction_is_rounding_plus_lmmse_in_whitened_domain(gaussian):
+    """On the Ŵ that ``sic`` returns: column j of the whitened error E = (W − Ŵ)L is y_j − γ_j c z_j, where y_j is
+    what SIC saw and z_j = round(y_j/c). So (a) E_j ⟂ z_j (the LMMSE gain) and (b) |E_j − (1 − γ_j) c z_j| ≤ c/2
+    (the rounding). Wrong feedback, steps or gains break one of them."""
     sigma = _spread_sigma(64, seed=5)
     chol = torch.linalg.cholesky(sigma)
     w = gaussian[:512]
     c, alpha = watersic_step(w, chol, 3.0)
-    z, w_hat, gamma = sic(w @ chol, chol, c, alpha)
-    assert torch.equal(z, torch.round(z))  # integer codes, no clipping (codes beyond any fixed alphabet allowed)
-    # re-run with γ forced to 1 by reconstructing from z directly: ((W − αZ)L) entries within c/2
-    y = (w @ chol).clone()
-    w1 = torch.zeros_like(w)
-    for j in range(63, -1, -1):
-        zj = torch.round(y[:, j] / c)
-        w1[:, j] = alpha[j] * zj
-        y[:, :j + 1] -= torch.outer(w1[:, j], chol[j, :j + 1])
-    assert float(((w - w1) @ chol).abs().max()) <= c / 2 + 1e-9
-    assert 0.9 < float(gamma.mean()) <= 1.0  # LMMSE gains shrink slightly
+    z, w_hat, gamma = sic(w @ chol, chol, c, alpha, block=16)  # several blocks: the lazy updates are covered
+    assert torch.equal(z, torch.round(z)) and float(z.abs().max()) > 4  # integer codes, no clipping to 2^R levels
+    assert torch.allclose(w_hat, gamma * alpha * z, rtol=0, atol=1e-12)  # Ŵ_j = γ_j α_j z_j
+    err = (w - w_hat) @ chol
+    assert float((z * err).sum(0).abs().max()) < 1e-9 * float((w @ chol).abs().sum())
+    assert float((err - (1 - gamma) * c * z).abs().max()) <= c / 2 + 1e-9
+    assert float(err.abs().max()) > c / 2  # the gains moved the error off the rounding cell: (b) is not vacuous
+    assert 0.9 < float(gamma.mean()) < 1.0  # LMMSE gains shrink slightly
+    # without feedback (chol diagonal only) the same codes would not come out: the cancellation matters
+    z_nofb, _, _ = sic(w @ chol, torch.diag(torch.diagonal(chol)), c, alpha)
+    assert not torch.equal(z_nofb, z)
 
 
-def test_rate_targeting_lands_within_tolerance():
-    w = torch.randn(384, 64, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+@pytest.mark.parametrize("powers,min_rows", [("all", 128), ("sample", 0)])
+def test_rate_targeting_lands_on_the_whole_layer(powers, min_rows):
+    """The search runs on ~10% of the rows; the tolerance must hold for the whole layer's reported rate."""
+    w = torch.randn(2048, 64, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     stats = LayerStats(_spread_sigma(64, seed=3))
     for rate in (1.5, 3.25):
-        res = WaterSIC(search_fraction=1.0, rescalers=False).quantize(w, stats, rate)
+        q = WaterSIC(rescalers=False, search_column_powers=powers, search_min_rows=min_rows)
+        res = q.quantize(w, stats, rate)
         assert abs(res.rate.bits - rate) < 0.005, (rate, res.rate.bits)
-        assert len(res.info["secant"]) <= 6
-    # the loop itself on a known smooth map: H(r) = 0.9 r + 0.3 sin(r), target 2.2
-    r, h, evals = secant_search(lambda r: 0.9 * r + 0.3 * math.sin(r), 2.2)
-    assert abs(h - 2.2) < 0.005 and len(evals) <= 6
+        assert abs(res.info["landing"]) < 0.005 and len(res.info["secant"]) <= 6
+        # the landing is measured on the whole layer: the reported entropy is the one the check saw
+        assert res.info["landing"] == pytest.approx(res.rate.entropy_pooled - entropy_target(rate, 2048, 64, 64))
+    # the loop itself on a known smooth map: H(r) = 0.9 r + 0.3 sin(r), target 2.2, from H* or from a given start
+    for start in (None, 5.0):
+        r, h, evals = secant_search(lambda r: 0.9 * r + 0.3 * math.sin(r), 2.2, start=start)
+        assert abs(h - 2.2) < 0.005 and len(evals) <= 6 and evals[0][0] == (2.2 if start is None else start)
+
+
+def test_entropy_target_inverts_the_accounting():
+    # no dead columns: H* = R − 16/a − 16/n either way
+    for inflate in (True, False):
+        assert entropy_target(3.0, 128, 64, 64, inflate) == pytest.approx(3.0 - 16 / 128 - 16 / 64)
+    # 4 dead of 32 columns: inflated, the live codes pay for the dead ones and the total is R
+    h = entropy_target(3.0, 64, 32, 28)
+    assert (h * 64 * 28 + 16 * (64 + 28 + 4)) / (64 * 32) == pytest.approx(3.0)
+    assert entropy_target(3.0, 64, 32, 28, inflate_dead=False) == pytest.approx(3.0 - 16 / 64 - 16 / 32)
+
+
+@pytest.mark.parametrize("rate_control,expected", [(False, 3.0), (True, 2.806122)])
+def test_dead_columns_inflate_the_target_only_without_rate_control(rate_control, expected):
+    """8 dead columns of a 112×112 layer at 3 bits. Without global rate control the live codes pay for the dead
+    columns (the layer lands on 3 bits); under rate control the target is R − 16/a − 16/n as released, so the layer
+    spends ((3 − 2·16/112)·112·104 + 16·(112 + 104 + 8))/112² = 2.8061 bits and the later layers get the rest."""
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(4000, 112, generator=g, dtype=torch.float64)
+    x[:, :8] = 0.0
+    w = torch.randn(112, 112, generator=g, dtype=torch.float64)
+    res = WaterSIC().quantize(w, LayerStats(x.T @ x / x.shape[0]), 3.0, rate_control=rate_control)
+    assert res.info["dead_columns"] == 8
+    assert res.rate.bits == pytest.approx(expected, abs=0.005)
+    assert res.rate.bits == pytest.approx((res.rate.entropy_pooled * 112 * 104 + 16 * (112 + 104 + 8)) / 112 ** 2)
 
 
 def test_dead_columns_come_back_as_zeros_and_are_charged():

@@ -37,7 +37,7 @@ def test_watersic_tiny_smoke(tmp_path, tiny_lm_dir):
 
 
 def test_driver_perplexity_rises_as_bits_fall(tiny_setup):
-    from lightning_modules.common.quantize import WaterSIC
+    from lightning_modules.watersic import WaterSIC
     from lightning_modules.common.quantize.driver import quantize_model
     from lightning_modules.common.quantize.module import nll_and_kl
 
@@ -52,6 +52,32 @@ def test_driver_perplexity_rises_as_bits_fall(tiny_setup):
         ppl[bits], kl[bits] = math.exp(nll_q / n_tok), float(kl_sum / n_pos)
     assert rates[2] < rates[3] < rates[4]
     assert ppl[2] > ppl[3] > ppl[4] and kl[2] > kl[3] > kl[4] > 0
+
+
+@pytest.mark.parametrize("rate_control", [True, False])
+def test_driver_rate_control_charges_each_layer_its_actual_rate(tiny_setup, rate_control):
+    """Under rate control each layer's target is the remaining budget per remaining weight (clamped to
+    [0.05, 16]) and the quantizer is told so; without it every layer gets R and no flag."""
+    from lightning_modules.common.quantize.driver import quantize_model
+    from lightning_modules.watersic import WaterSIC
+
+    class Recorder(WaterSIC):
+        def quantize(self, weight, stats, rate, rate_control=False):
+            calls.append((rate, rate_control))
+            return super().quantize(weight, stats, rate, rate_control=rate_control)
+
+    calls = []
+    base, calib, _ = tiny_setup
+    rep = quantize_model(copy.deepcopy(base), Recorder(rescalers=False, target_rate=False), calib, 2.5,
+                         rate_control=rate_control, with_limit=False, log=None)
+    sizes = [r["rows"] * r["cols"] for r in rep["layers"]]
+    bits_left, weights_left = 2.5 * sum(sizes), sum(sizes)
+    for (target, flag), row, size in zip(calls, rep["layers"], sizes):
+        expected = min(16.0, max(0.05, bits_left / weights_left)) if rate_control else 2.5
+        assert target == pytest.approx(expected, rel=1e-12) and flag is rate_control and row["target"] == target
+        bits_left -= row["bits"] * size
+        weights_left -= size
+    assert len(calls) == 28 and (len({t for t, _ in calls}) > 1) is rate_control  # the budget moved the targets
 
 
 def test_module_kl_matches_shared_evaluator(tiny_setup):
@@ -109,3 +135,34 @@ def test_experiments_compose_and_instantiate(name, tmp_path):
     if not name.endswith("_tiny"):
         assert cfg.data.seq_len == 2048 and cfg.model.eval_files.endswith("wiki.test.txt")
         assert cfg.model.mode == "sequential"
+
+
+@pytest.mark.parametrize("choice,cls,name", [("rtn", "RTN", "rtn"), ("gptq", "GPTQ", "gptq"),
+                                             ("huffman_gptq", "GPTQ", "huffman_gptq"), ("watersic", "WaterSIC", "watersic")])
+def test_quantizer_is_chosen_by_config_group(choice, cls, name, tmp_path):
+    """``model/quantizer=<name>`` builds that class by ``_target_``; its settings are kept as plain hparams that rebuild it."""
+    from hydra.utils import instantiate
+
+    from tests.helpers import compose
+
+    module = instantiate(compose("gptq_tiny", [f"model/quantizer={choice}"], output_dir=tmp_path).model, _convert_="all")
+    assert type(module.quantizer).__name__ == cls and module.method == name
+    rebuilt = instantiate(module.hparams["quantizer"])
+    assert type(rebuilt) is type(module.quantizer) and vars(rebuilt) == vars(module.quantizer)
+
+
+def test_default_quantizers_and_the_removed_method_key(tmp_path):
+    from hydra.utils import instantiate
+
+    from lightning_modules.common.quantize import GPTQ
+    from lightning_modules.common.quantize.module import QuantizeLMModule
+    from lightning_modules.watersic import WaterSIC, WaterSICModule
+    from tests.helpers import compose
+
+    assert isinstance(QuantizeLMModule({"family": "llama"}).quantizer, GPTQ)  # the common baseline, not a paper's
+    assert isinstance(WaterSICModule({"family": "llama"}).quantizer, WaterSIC)
+    cfg = compose("gptq_tiny", ["model.method=rtn"], output_dir=tmp_path)
+    with pytest.raises(Exception) as info:
+        instantiate(cfg.model, _convert_="all")
+    cause = info.value.__cause__ or info.value  # Hydra wraps errors raised in a constructor
+    assert isinstance(cause, ValueError) and str(cause) == "model.method=rtn is gone: choose the quantizer with model/quantizer=rtn"

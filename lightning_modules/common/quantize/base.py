@@ -58,16 +58,20 @@ class QuantResult:
 
 
 class Quantizer:
-    """Base class: ``quantize(weight, stats, rate) -> QuantResult``.
+    """Base class: ``quantize(weight, stats, rate, rate_control=False) -> QuantResult``.
 
     ``fractional_rate``: True when the method can target any real rate (WaterSIC); False for fixed grids
     whose nominal rate is rounded to a level count (RTN, GPTQ), for which global rate control is a no-op.
+    ``rate_control``: the driver passes True when ``rate`` is this layer's share of one global budget (its actual
+    rate is charged back), so a method need not spend bits it saves here (e.g. on dead columns) within the layer.
+    Each method is a class chosen by ``_target_`` in ``conf/model/quantizer/``; ``name`` labels its results.
     """
 
     name = "base"
     fractional_rate = False
 
-    def quantize(self, weight: torch.Tensor, stats: LayerStats, rate: float) -> QuantResult:  # pragma: no cover
+    def quantize(self, weight: torch.Tensor, stats: LayerStats, rate: float,
+                 rate_control: bool = False) -> QuantResult:  # pragma: no cover
         raise NotImplementedError
 
 

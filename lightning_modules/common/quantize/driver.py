@@ -90,6 +90,7 @@ def quantize_model(model, quantizer: Quantizer, batches: list[dict], rate: float
         groups = linear_groups(model, batches[0], exclude)
         total = sum(m.weight.numel() for g in groups for _, m in g)
         budget_bits, budget_weights = rate * total, total
+        budgeted = rate_control and quantizer.fractional_rate
         rows: list[dict] = []
         plain_stats = {}
         if mode == "plain":
@@ -109,11 +110,11 @@ def quantize_model(model, quantizer: Quantizer, batches: list[dict], rate: float
                 stats = _sequential_stats(model, reference, ref_modules, group, batches)
             for name, mod in group:
                 target = rate
-                if rate_control and quantizer.fractional_rate:
+                if budgeted:
                     target = min(16.0, max(0.05, budget_bits / budget_weights))
                 t0 = time.time()
                 w = mod.weight.detach().double()
-                res = quantizer.quantize(w, stats, target)
+                res = quantizer.quantize(w, stats, target, rate_control=budgeted)
                 mod.weight.copy_(res.weight.to(mod.weight.dtype))
                 mse = stats.output_error(w, res.weight)
                 row = {"layer": name, "rows": w.shape[0], "cols": w.shape[1], "target": target,

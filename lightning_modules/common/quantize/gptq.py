@@ -76,7 +76,7 @@ class GPTQ(Quantizer):
         if extra_bit:
             self.name = "huffman_gptq"
 
-    def quantize(self, weight: torch.Tensor, stats: LayerStats, rate: float) -> QuantResult:
+    def quantize(self, weight: torch.Tensor, stats: LayerStats, rate: float, rate_control: bool = False) -> QuantResult:
         levels = levels_for_rate(rate, extra_bit=self.extra_bit)
         w_hat, codes = gptq_quantize(weight, stats.sigma, levels, self.percdamp, self.blocksize,
                                      self.error_feedback, self.act_order)

@@ -1,4 +1,6 @@
-"""Calibrate-then-quantize as a Lightning test loop, for any quantizer of this package.
+"""Calibrate-then-quantize as a Lightning test loop, for any ``Quantizer``: the module every quantization paper
+subclasses. The quantizer is an object (Hydra builds it from ``conf/model/quantizer/<name>.yaml``'s ``_target_``);
+without one the module runs the common GPTQ baseline.
 
 ``on_test_start``: draw ``n_calib`` calibration sequences from the datamodule's training split (seeded), run the
 driver (``driver.quantize_model``) on the backbone in place, and keep a full-precision copy as the reference.
@@ -10,20 +12,23 @@ Perplexity is exp of the mean NLL over fixed-length non-overlapping sequences, a
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from typing import Any, Mapping
 
 import torch
 
-from lightning_modules.common.lm import CausalLMModule, _plain
-from lightning_modules.common.quantize import build_quantizer
+from lightning_modules.common.lm import CausalLMModule
+from lightning_modules.common.quantize.base import Quantizer
 from lightning_modules.common.quantize.driver import quantize_model
+from lightning_modules.common.quantize.gptq import GPTQ
 
 
 class QuantizeLMModule(CausalLMModule):
     """Args:
         backbone: backbone spec (a pretrained one: ``tiny-lm`` or a hub id / local dir).
-        method: ``rtn`` | ``gptq`` | ``huffman_gptq`` | ``watersic``; ``quantizer``: its keyword arguments.
+        quantizer: a ``Quantizer`` (config group ``model/quantizer``: rtn | gptq | huffman_gptq | watersic | a
+            paper's own); None = ``default_quantizer()``, GPTQ for this base class.
         rate: target bits per quantized weight (entropy + side information; log2 levels for RTN/GPTQ).
         mode: ``plain`` (Σ from the full-precision model) or ``sequential`` (Qronos statistics).
         rate_control: one global budget over all layers (fractional-rate methods only).
@@ -33,18 +38,25 @@ class QuantizeLMModule(CausalLMModule):
         with_limit: compute each layer's Gaussian R(D) at its achieved distortion (``quant/rd_limit``).
         eval_files: a held-out text file (e.g. WikiText-2 test): also report ``eval/ppl``, ``eval/ppl_fp`` and
             ``eval/kl_bits`` over its non-overlapping ``eval_seq_len`` chunks (documents joined with EOS).
+        method: removed (the old string registry); set, it fails with one line naming ``model/quantizer=<name>``.
     """
 
-    def __init__(self, backbone: Mapping[str, Any], method: str = "watersic", quantizer: Mapping[str, Any] | None = None,
+    def __init__(self, backbone: Mapping[str, Any], quantizer: Quantizer | None = None,
                  rate: float = 3.0, mode: str = "plain", rate_control: bool = True, n_calib: int = 32,
                  calib_batch_size: int = 8, calib_seed: int = 0, kl: bool = True, with_limit: bool = True,
                  eval_files: str | None = None, eval_text_field: str = "text", eval_seq_len: int = 2048,
-                 eval_batch_size: int = 4, stats_device: str | None = None, optimizer=None, scheduler=None, weight_decay: float = 0.0):
+                 eval_batch_size: int = 4, stats_device: str | None = None, optimizer=None, scheduler=None,
+                 weight_decay: float = 0.0, method: str | None = None):
+        if method is not None:
+            raise ValueError(f"model.method={method} is gone: choose the quantizer with model/quantizer={method}")
+        quantizer = self.default_quantizer() if quantizer is None else quantizer
+        if not isinstance(quantizer, Quantizer):
+            raise ValueError(f"model.quantizer must build a Quantizer (a _target_ in conf/model/quantizer/), "
+                             f"got {type(quantizer).__name__}")
         super().__init__(backbone, optimizer=optimizer, scheduler=scheduler, weight_decay=weight_decay)
-        self.quantizer_kwargs = _plain(quantizer or {})
-        self.hparams["quantizer"] = self.quantizer_kwargs
-        build_quantizer(method, **self.quantizer_kwargs)  # fail fast on a bad method / argument
-        self.method, self.rate, self.mode, self.rate_control = method, rate, mode, rate_control
+        self.quantizer = quantizer
+        self.hparams["quantizer"] = quantizer_spec(quantizer)  # plain data, for hparams.yaml and checkpoints
+        self.method, self.rate, self.mode, self.rate_control = quantizer.name, rate, mode, rate_control
         self.n_calib, self.calib_batch_size, self.calib_seed = n_calib, calib_batch_size, calib_seed
         self.kl, self.with_limit = kl, with_limit
         self.eval_files, self.eval_text_field = eval_files, eval_text_field
@@ -53,6 +65,11 @@ class QuantizeLMModule(CausalLMModule):
         self._reference: list = []  # a list, so the copy is not registered as a submodule (or checkpointed)
         self.quantized = False
         self.results: dict = {}
+
+    @staticmethod
+    def default_quantizer() -> Quantizer:
+        """The method a subclass runs when the config names none (each paper overrides this with its own)."""
+        return GPTQ()
 
     @property
     def reference(self):
@@ -73,7 +90,7 @@ class QuantizeLMModule(CausalLMModule):
     def quantize(self, batches: list[dict]) -> dict:
         if self.kl or self.mode == "sequential":
             self._reference = [copy.deepcopy(self.model).eval().requires_grad_(False)]
-        report = quantize_model(self.model, build_quantizer(self.method, **self.quantizer_kwargs), batches, self.rate,
+        report = quantize_model(self.model, self.quantizer, batches, self.rate,
                                 mode=self.mode, rate_control=self.rate_control, reference=self.reference,
                                 with_limit=self.with_limit, stats_device=self.stats_device)
         self.quantized = True
@@ -132,6 +149,14 @@ class QuantizeLMModule(CausalLMModule):
             tot += torch.stack([v.to(tot) for v in out])
         nll_q, nll_fp, kl, n_tok, n_pos = tot.tolist()
         return {"eval/ppl": math.exp(nll_q / n_tok), "eval/ppl_fp": math.exp(nll_fp / n_tok), "eval/kl_bits": kl / n_pos}
+
+
+def quantizer_spec(quantizer: Quantizer) -> dict:
+    """The quantizer as plain data that rebuilds it: its class as ``_target_`` and its constructor's settings."""
+    cls = type(quantizer)
+    args = inspect.signature(cls).parameters
+    return {"_target_": f"{cls.__module__}.{cls.__qualname__}",
+            **{k: v for k, v in vars(quantizer).items() if k in args and isinstance(v, (bool, int, float, str, type(None)))}}
 
 
 @torch.no_grad()

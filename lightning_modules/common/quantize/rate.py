@@ -93,17 +93,11 @@ class RateReport:
         return d
 
 
-def watersic_side_bits(rows: int, live_cols: int, dead_cols: int = 0) -> float:
-    """fp16 row scales t (a of them), fp16 column scales (Γα) for live columns, 16 bits per dead column."""
+def row_and_column_side_bits(rows: int, live_cols: int, dead_cols: int = 0) -> float:
+    """fp16 row scales (a of them), fp16 column scales for live columns, 16 bits per dead column (WaterSIC)."""
     return 16.0 * (rows + live_cols + dead_cols)
 
 
 def row_scale_side_bits(rows: int, groups: int = 1) -> float:
     """One fp16 scale per row and group (GPTQ, RTN): 16·groups/n bits per weight."""
     return 16.0 * rows * groups
-
-
-def watersic_entropy_target(rate: float, rows: int, cols: int, live_cols: int) -> float:
-    """The code entropy (bits per live code) that makes the total rate equal ``rate`` (spec §4.2 step 7)."""
-    side = watersic_side_bits(rows, live_cols, cols - live_cols)
-    return (rate * rows * cols - side) / (rows * max(live_cols, 1))

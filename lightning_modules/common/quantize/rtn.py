@@ -59,7 +59,7 @@ class RTN(Quantizer):
     def __init__(self, accounting: str = "cardinality"):
         self.accounting = accounting
 
-    def quantize(self, weight: torch.Tensor, stats: LayerStats | None, rate: float) -> QuantResult:
+    def quantize(self, weight: torch.Tensor, stats: LayerStats | None, rate: float, rate_control: bool = False) -> QuantResult:
         w = weight.double()
         levels = levels_for_rate(rate)
         w_hat, codes = round_to_grid(w, absmax_scale(w, levels), levels)

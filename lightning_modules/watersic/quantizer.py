@@ -12,12 +12,20 @@ One layer (W: a×n, rows = out-features):
 6. Diagonal rescalers Ŵ = diag(t)(Z∘α)diag(g) by alternating exact g- and t-steps (``find_optimal_rescalers``).
 7. Rate: code entropy (``accounting``: pooled = the authors' figure, default; column = per-column tables) +
    (16a + 16n_live + 16n_dead)/(a·n). ``target_rate=True`` finds r by the spec's secant loop on a random
-   ``search_fraction`` of the rows (fp32) so that the entropy lands within ``tol`` = 0.005 bit of its target.
+   ``search_fraction`` of the rows (fp32) so that the entropy lands within ``tol`` = 0.005 bit of its target H*,
+   then checks the whole layer at that r and, if it missed, continues the secant loop on the whole layer: the
+   tolerance holds for the layer's reported rate, not only for the sample.
+   H* = R − 16/a − 16/n; without global rate control H* is raised so that the live columns also pay for the dead
+   ones and the layer lands on R; under rate control (the driver passes ``rate_control=True``) it is not, and the
+   bits a dead column saves go to the later layers (spec §4.2 step 7, as released).
 
 Switches: ``rescalers`` (on, as in the paper's runs), ``target_rate`` (``--zsic_binary_search``, on),
 ``accounting`` (pooled | column), ``percdamp`` (1e-4), ``search_fraction`` (0.1; we also keep at least
 ``search_min_rows`` = 128 rows so tiny layers are not searched on a handful of codes: a CPU-scale addition;
-with column accounting all rows are used, since per-column plug-in entropies on few rows are biased low).
+with column accounting all rows are used, since per-column plug-in entropies on few rows are biased low),
+``search_column_powers``: ``all`` (ours, default: the step c uses every row's column powers s_j, so the search
+sees the step the final pass uses) | ``sample`` (the release: s_j from the sampled rows only; with
+``search_min_rows=0`` this is the released search).
 Not implemented: residual compensation, attention-weighted QKV statistics, the joint ε search and WaterSIC-FT.
 """
 from __future__ import annotations
@@ -28,7 +36,7 @@ import torch
 
 from lightning_modules.common.quantize.base import LayerStats, QuantResult, Quantizer, dead_columns
 from lightning_modules.common.quantize.rate import (RateReport, column_entropy_bits, entropy_bits,
-                                                    watersic_entropy_target, watersic_side_bits)
+                                                    row_and_column_side_bits)
 
 
 def watersic_step(weight: torch.Tensor, chol: torch.Tensor, r: float) -> tuple[float, torch.Tensor]:
@@ -118,12 +126,25 @@ def find_optimal_rescalers(A: torch.Tensor, g0: torch.Tensor, sig_hat: torch.Ten
     return t, g, history
 
 
-def secant_search(entropy_at, target: float, tol: float = 0.005, max_evals: int = 6, clamp: float = 10.0):
-    """The spec's rate targeting: r0 = H*, r1 = r0 − (H(r0) − H*), then secant steps clamped to [−clamp, clamp],
-    at most ``max_evals`` evaluations, stopping when |H − H*| < tol. Returns (best r, its H, evaluations)."""
-    rs, hs = [target], [entropy_at(target)]
+def entropy_target(rate: float, rows: int, cols: int, live_cols: int, inflate_dead: bool = True) -> float:
+    """H*, the code entropy (bits per live code) a layer aims at for a total of ``rate`` bits per weight (spec §4.2
+    step 7). ``inflate_dead``: the live codes also pay for the dead columns, so the layer's total is ``rate``
+    (without global rate control); otherwise H* = R − 16/a − 16/n and dead columns lower the layer's total."""
+    if not inflate_dead:
+        return rate - 16.0 / rows - 16.0 / cols
+    side = row_and_column_side_bits(rows, live_cols, cols - live_cols)
+    return (rate * rows * cols - side) / (rows * max(live_cols, 1))
+
+
+def secant_search(entropy_at, target: float, tol: float = 0.005, max_evals: int = 6, clamp: float = 10.0,
+                  start: float | None = None):
+    """The spec's rate targeting: r0 = ``start`` (default H*), r1 = r0 − (H(r0) − H*), then secant steps clamped to
+    [−clamp, clamp], at most ``max_evals`` evaluations, stopping when |H − H*| < tol.
+    Returns (best r, its H, evaluations)."""
+    r0 = target if start is None else start
+    rs, hs = [r0], [entropy_at(r0)]
     if abs(hs[0] - target) >= tol and max_evals > 1:
-        r1 = max(-clamp, min(clamp, target - (hs[0] - target)))
+        r1 = max(-clamp, min(clamp, r0 - (hs[0] - target)))
         rs.append(r1)
         hs.append(entropy_at(r1))
     while abs(hs[-1] - target) >= tol and len(rs) < max_evals:
@@ -146,17 +167,22 @@ class WaterSIC(Quantizer):
 
     def __init__(self, percdamp: float = 1e-4, rescalers: bool = True, target_rate: bool = True,
                  accounting: str = "pooled", tol: float = 0.005, max_evals: int = 6, search_fraction: float = 0.1,
-                 search_min_rows: int = 128, dead_rel: float = 1e-3, block: int = 128, seed: int = 0):
+                 search_min_rows: int = 128, search_column_powers: str = "all", dead_rel: float = 1e-3,
+                 block: int = 128, seed: int = 0):
         if accounting not in ("pooled", "column"):
             raise ValueError(f"watersic accounting={accounting!r}: use 'pooled' (the authors' code) or 'column'")
+        if search_column_powers not in ("all", "sample"):
+            raise ValueError(f"watersic search_column_powers={search_column_powers!r}: use 'all' (ours) or 'sample' "
+                             "(the release)")
         self.percdamp, self.rescalers, self.target_rate, self.accounting = percdamp, rescalers, target_rate, accounting
         self.tol, self.max_evals, self.search_fraction, self.search_min_rows = tol, max_evals, search_fraction, search_min_rows
+        self.search_column_powers = search_column_powers
         self.dead_rel, self.block, self.seed = dead_rel, block, seed
 
     def _entropy(self, codes):
         return entropy_bits(codes) if self.accounting == "pooled" else column_entropy_bits(codes)
 
-    def quantize(self, weight: torch.Tensor, stats: LayerStats, rate: float) -> QuantResult:
+    def quantize(self, weight: torch.Tensor, stats: LayerStats, rate: float, rate_control: bool = False) -> QuantResult:
         w_full = weight.double()
         a, n = w_full.shape
         dead = dead_columns(stats.sigma, self.dead_rel)
@@ -171,26 +197,43 @@ class WaterSIC(Quantizer):
         chol = torch.linalg.cholesky(sig + mu * eye)
         target = torch.linalg.solve_triangular(chol, (w @ cross + mu * w).T, upper=False).T  # (WΣ_XX̂ + μW) L^{-T}
 
-        evals = []
-        r = rate
-        if self.target_rate:
-            h_star = watersic_entropy_target(rate, a, n, n_live)
+        def full_pass(r_):
+            c_, al_ = watersic_step(w, chol, r_)
+            return (r_, c_, al_, *sic(target, chol, c_, al_, self.block))
+
+        info = {"dead_columns": int(dead.sum())}
+        if not self.target_rate:
+            r, c, alpha, z, w_hat, gamma = full_pass(rate)
+        else:
+            h_star = entropy_target(rate, a, n, n_live, inflate_dead=not rate_control)
             gen = torch.Generator().manual_seed(self.seed)
             k = min(a, max(self.search_min_rows, int(math.ceil(self.search_fraction * a))))
             if self.accounting == "column":  # per-column plug-in entropy on 10% of rows is biased low: use all
                 k = a
             rows = torch.randperm(a, generator=gen)[:k].to(w.device)
-            t32, l32, w32 = target[rows].float(), chol.float(), w[rows]
+            t32, l32 = target[rows].float(), chol.float()
+            w_pow = w if self.search_column_powers == "all" else w[rows]
 
-            def entropy_at(r_):
-                c_, al_ = watersic_step(w, chol, r_)  # c from all rows' column powers
-                z_, _, _ = sic(t32, l32, c_, al_.float(), self.block)
-                return self._entropy(z_)
+            def sample_entropy(r_):
+                c_, al_ = watersic_step(w_pow, chol, r_)
+                return self._entropy(sic(t32, l32, c_, al_.float(), self.block)[0])
 
-            r, _, evals = secant_search(entropy_at, h_star, self.tol, self.max_evals)
-        c, alpha = watersic_step(w, chol, r)
-        z, w_hat, gamma = sic(target, chol, c, alpha, self.block)
-        info = {"r": r, "c": c, "secant": evals, "dead_columns": int(dead.sum())}
+            r, _, info["secant"] = secant_search(sample_entropy, h_star, self.tol, self.max_evals)
+            # The tolerance is the layer's: check the whole layer at r and, if it missed, go on there. Only the
+            # closest whole-layer pass is kept (the secant returns the same one), so the check costs no extra memory.
+            best = []
+
+            def full_entropy(r_):
+                res_ = full_pass(r_)
+                h_ = self._entropy(res_[3])
+                if not best or abs(h_ - h_star) < abs(best[0] - h_star):
+                    best[:] = [h_, res_]
+                return h_
+
+            _, h, info["secant_full"] = secant_search(full_entropy, h_star, self.tol, self.max_evals, start=r)
+            r, c, alpha, z, w_hat, gamma = best[1]
+            info.update(search_landing=info["secant_full"][0][1] - h_star, landing=h - h_star)
+        info.update(r=r, c=c)
         if self.rescalers:
             A = z * alpha.unsqueeze(0)
             const = float(((w @ sig_x) * w).sum())
@@ -204,7 +247,8 @@ class WaterSIC(Quantizer):
         zl = codes[:, live]
         report = RateReport(rows=a, cols=n, live_cols=n_live, entropy_pooled=entropy_bits(zl),
                             entropy_column=column_entropy_bits(zl),
-                            side_bits=watersic_side_bits(a, n_live, n - n_live), levels=None, accounting=self.accounting)
+                            side_bits=row_and_column_side_bits(a, n_live, n - n_live), levels=None,
+                            accounting=self.accounting)
         info["alpha"] = alpha
         info["chol_diag"] = torch.diagonal(chol)
         return QuantResult(out, codes, report, info)
