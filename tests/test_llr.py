@@ -1,4 +1,5 @@
-"""LLR (callbacks/llr.py): the estimator, the rate map, the groups, the ramped schedule, Muon, resume, tiny runs."""
+"""LLR (lightning_modules/llr/, callbacks/llr.py): the estimator, the rate map, the groups, the ramped schedule,
+Muon, the betas switch, the edge-α order, the warmup-cosine step index, resume, tiny runs."""
 from __future__ import annotations
 
 import math
@@ -8,7 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from callbacks.llr import (LLR, MuonWithAdamW, cpu_threads, esd, hill_alpha, llr_optimizer, lr_ratios, module_alphas)
+from callbacks.llr import LLR
+from lightning_modules.llr import (BETAS, LLRModule, MuonWithAdamW, RateSchedule, cpu_threads, esd, hill_alpha,
+                                   llr_groups, llr_optimizer, lr_ratios, module_alphas)
 from lightning_modules.common.lm import warmup_cosine
 
 
@@ -60,17 +63,58 @@ def test_rate_map_spec_example_and_edges():
     assert math.isnan(alphas["small"]) and lr_ratios(alphas)["small"] == 1.0
 
 
+class SmallLayerToy(nn.Module):
+    """Three kept layers (64x64, 128x64, 192x64) and a small one, 32x128 (32 eigenvalues < min_eigs = 50)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(100, 64)
+        self.a, self.b, self.c = nn.Linear(64, 64, bias=False), nn.Linear(64, 128, bias=False), nn.Linear(64, 192, bias=False)
+        self.small = nn.Linear(128, 32, bias=False)
+        self.head = nn.Linear(64, 100, bias=False)
+
+
+def test_edge_alpha_ours_and_the_release_order_on_a_small_layer():
+    torch.manual_seed(0)
+    model = SmallLayerToy()
+    opt = llr_optimizer(llr_groups([{"params": list(model.parameters())}], model), lr=1e-3)
+    weights = {g["llr_module"]: (model.get_submodule(g["llr_module"]).weight, g["llr_edge"])
+               for g in opt.param_groups if g["llr_module"]}
+    ours = module_alphas(weights, esd_dtype=torch.float64)
+    release = module_alphas(weights, esd_dtype=torch.float64, edge_alpha="all")
+    small = hill_alpha(esd(model.small.weight, torch.float64))
+    kept = {k: ours[k] for k in "abc"}
+    top = max(kept, key=kept.get)                              # the kept layer with the largest α: c (192x64)
+    assert top == "c" and small > kept[top]                    # the 32x128 layer's tail is the lightest of all
+    assert all(release[k] == ours[k] for k in "abc") and math.isnan(ours["small"]) and math.isnan(release["small"])
+    assert ours["embed"] == ours["head"] == kept[top]          # ours: the max over the kept layers
+    assert release["embed"] == release["head"] == small        # release: the dropped layer sets the maximum
+    r_ours, r_rel = lr_ratios(ours), lr_ratios(release)
+    lo = min(kept.values())
+    assert r_ours[top] == pytest.approx(5.0) and r_ours["embed"] == pytest.approx(5.0)
+    assert r_rel[top] == pytest.approx(1 + 4 * (kept[top] - lo) / (small - lo)) and r_rel[top] < 4.5  # squeezed
+    assert r_rel["embed"] == pytest.approx(5.0)
+    # either way the dropped layer joins the untuned group: the base rate, ramping to η·r_min·f(s+L)
+    sched = warmup_cosine(opt, 10, 100)
+    for edge_alpha, alphas in (("kept", ours), ("all", release)):
+        rates = RateSchedule(every=10, ramp_steps=5, alphas=lambda w, e=edge_alpha: module_alphas(
+            w, esd_dtype=torch.float64, edge_alpha=e))
+        rates.recompute(0, opt, sched, weights)
+        assert rates.alphas["embed"] == alphas["embed"]
+        by_name = {g["llr_module"]: (g["initial_lr"], t) for g, t in zip(opt.param_groups, rates.ramp["to"])}
+        assert by_name["small"] == (1e-3, pytest.approx(1e-3 * sched.lr_lambdas[0](5)))
+        assert by_name[top][0] == pytest.approx(1e-3 * (r_ours if edge_alpha == "kept" else r_rel)[top])
+
+
 # --- groups -------------------------------------------------------------------------------------------------
 def tiny_module(hidden=64, layers=2, optimizer="adamw"):
     from functools import partial
-
-    from lightning_modules.common.lm import CausalLMModule
 
     spec = {"family": "llama", "pretrained": None, "dtype": "float32", "attn_implementation": "sdpa",
             "config": {"vocab_size": 256, "hidden_size": hidden, "intermediate_size": 2 * hidden,
                        "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
                        "max_position_embeddings": 64, "tie_word_embeddings": False}}
-    module = CausalLMModule(spec, optimizer=partial(llr_optimizer, optimizer=optimizer, lr=1e-3), weight_decay=0.1)
+    module = LLRModule(spec, optimizer=partial(llr_optimizer, optimizer=optimizer, lr=1e-3), weight_decay=0.1)
     module.configure_model()
     return module
 
@@ -98,6 +142,19 @@ def test_muon_groups_are_the_hidden_matrices():
         hidden = bool(g["llr_module"]) and not g["llr_edge"]
         assert g["use_muon"] == hidden
         assert g["llr_base_lr"] == (0.02 if hidden else 1e-3)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_betas_source_spec_or_release(optimizer):
+    module = tiny_module(optimizer=optimizer)
+    assert BETAS == {"spec": (0.9, 0.95), "release": (0.9, 0.999)}   # spec 2.3 / torch.optim.AdamW's default
+    assert torch.optim.AdamW([nn.Parameter(torch.zeros(1))]).defaults["betas"] == BETAS["release"]
+    for source in ("spec", "release"):
+        opt = llr_optimizer(module.param_groups(), optimizer=optimizer, betas_source=source)
+        adam = [g for g in opt.param_groups if not g["use_muon"]]
+        assert adam and all(tuple(g["betas"]) == BETAS[source] for g in adam)
+    with pytest.raises(ValueError, match="spec .* or release"):
+        llr_optimizer(module.param_groups(), betas_source="paper")
 
 
 def test_muon_with_adamw_matches_torch_optimizers_and_resumes():
@@ -166,10 +223,10 @@ class Toy(nn.Module):
 def test_schedule_ramps_to_target_and_freezes_after_ratio():
     torch.manual_seed(0)
     model = Toy()
-    opt = llr_optimizer([{"params": list(model.parameters())}], model, lr=1e-3)
+    opt = llr_optimizer(llr_groups([{"params": list(model.parameters())}], model), lr=1e-3)
     total, warm, every, L_ = 1000, 100, 100, 50
     sched = warmup_cosine(opt, warm, total, 0.1)
-    cb = LLR(every=every, ramp_steps=L_, ratio=0.2, total_steps=total)
+    cb = RateSchedule(every=every, ramp_steps=L_, ratio=0.2)
     weights = {g["llr_module"]: (model.get_submodule(g["llr_module"]).weight, g["llr_edge"])
                for g in opt.param_groups if g["llr_module"]}
     lrs, initial, snapshots = [], [], {}
@@ -205,13 +262,48 @@ def test_schedule_ramps_to_target_and_freezes_after_ratio():
     assert tuned.sum() == 5 and set(np.round(np.array(snapshots[0])[tuned] / 1e-3, 9)) >= {1.0, 5.0}
 
 
+def test_warmup_cosine_steps_count_from_one_under_lightning():
+    """Optimizer step t (1-based, as released) runs at t/W during warmup, the peak at t = W and min_ratio·η at the
+    last step t = T: checked on the rates a real Lightning fit uses (its scheduler index starts at 0)."""
+    import lightning as L
+
+    W, T, m, lr = 4, 12, 0.1, 1e-2
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.w, self.seen = nn.Linear(2, 1), []
+
+        def training_step(self, batch, batch_idx):
+            self.seen.append(self.optimizers().param_groups[0]["lr"])
+            return self.w(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=lr)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": warmup_cosine(opt, W, T, m), "interval": "step"}}
+
+    module = Tiny()
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(T, 2)), batch_size=1)
+    L.Trainer(max_steps=T, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+              enable_model_summary=False, accelerator="cpu").fit(module, data)
+
+    def intended(t):  # linear warmup from 0 over W steps, cosine to m·peak at step T (spec 2.4), t from 1
+        return t / W if t <= W else m + (1 - m) * 0.5 * (1 + math.cos(math.pi * (t - W) / (T - W)))
+
+    seen = np.array(module.seen) / lr
+    assert seen[0] == pytest.approx(1 / W) and seen[W - 1] == pytest.approx(1.0) and seen[T - 1] == pytest.approx(m)
+    np.testing.assert_allclose(seen, [intended(t) for t in range(1, T + 1)], rtol=1e-12)
+
+
 def test_callback_refuses_a_plain_optimizer():
     from types import SimpleNamespace
 
     opt = torch.optim.AdamW(nn.Linear(4, 4).parameters())
     trainer = SimpleNamespace(optimizers=[opt], max_steps=10, lr_scheduler_configs=[])
-    with pytest.raises(ValueError, match="callbacks.llr.llr_optimizer"):
+    with pytest.raises(ValueError, match="model=llr"):
         LLR().on_fit_start(trainer, None)
+    with pytest.raises(ValueError, match="model=llr"):  # the factory needs per-module groups too
+        llr_optimizer([{"params": list(nn.Linear(4, 4).parameters())}])
 
 
 # --- end to end --------------------------------------------------------------------------------------------
@@ -231,8 +323,12 @@ def test_llr_tiny_smoke_and_exact_resume(tmp_path):
     value, metrics = run_experiment("llr_tiny", tmp_path / "a", [*common, *mid])
     assert metrics["status"] == "ok" and metrics["global_step"] == 20 and math.isfinite(value)
     assert metrics["final"]["train/loss"] < math.log(2048) - 0.5
-    assert metrics["results"]["llr"]["recompute_steps"] == [1, 4, 8, 12, 16]
     straight = torch.load(tmp_path / "a" / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
+    state = straight["callbacks"]["LLR"]
+    assert state["recompute_steps"] == [1, 4, 8, 12, 16] and "llr" not in metrics["results"]  # it logs, no results
+    for name, ratio in state["ratios"].items():  # the last recompute's rates, as logged
+        assert metrics["final"][f"llr/lr_ratio/{name}"] == pytest.approx(ratio, rel=1e-6)
+        assert metrics["final"][f"llr/alpha/{name}"] == pytest.approx(state["alphas"][name], rel=1e-6)
     rates = _groups(straight)
     assert max(rates[:-1]) / min(rates[:-1]) > 2.0       # the tuned groups really got different rates
     step9 = tmp_path / "mid" / "s9.ckpt"
@@ -269,7 +365,7 @@ def test_paper_scale_configs_follow_the_spec(name, steps, warmup, lr, opt, tmp_p
     assert t.devices * cfg.data.batch_size * t.accumulate_grad_batches == 512 and cfg.data.seq_len == 1024
     assert (t.max_steps, cfg.model.scheduler.warmup_steps, cfg.model.scheduler.min_ratio) == (steps, warmup, 0.1)
     assert (cfg.model.optimizer.lr, cfg.model.optimizer.optimizer, cfg.model.optimizer.weight_decay) == (lr, opt, 0.1)
-    assert list(cfg.model.optimizer.betas) == [0.9, 0.95] and t.gradient_clip_val is None
+    assert cfg.model.optimizer.betas_source == "spec" and t.gradient_clip_val is None
     llr = cfg.callbacks.llr
     assert (llr.every, llr.ramp_steps, llr.ratio, llr.r_min, llr.r_max) == (100, 50, 0.2, 1.0, 5.0)
     assert cfg.backbone.config.vocab_size == 32000
