@@ -94,16 +94,16 @@ def test_edge_alpha_ours_and_the_release_order_on_a_small_layer():
     assert r_ours[top] == pytest.approx(5.0) and r_ours["embed"] == pytest.approx(5.0)
     assert r_rel[top] == pytest.approx(1 + 4 * (kept[top] - lo) / (small - lo)) and r_rel[top] < 4.5  # squeezed
     assert r_rel["embed"] == pytest.approx(5.0)
-    # either way the dropped layer joins the untuned group: the base rate, ramping to η·r_min·f(s+L)
+    # either way the dropped layer joins the untuned group: the base rate η, ramping to η·r_min·f(s+L) (r_min = 2)
     sched = warmup_cosine(opt, 10, 100)
     for edge_alpha, alphas in (("kept", ours), ("all", release)):
-        rates = RateSchedule(every=10, ramp_steps=5, alphas=lambda w, e=edge_alpha: module_alphas(
+        rates = RateSchedule(every=10, ramp_steps=5, r_min=2.0, alphas=lambda w, e=edge_alpha: module_alphas(
             w, esd_dtype=torch.float64, edge_alpha=e))
         rates.recompute(0, opt, sched, weights)
         assert rates.alphas["embed"] == alphas["embed"]
         by_name = {g["llr_module"]: (g["initial_lr"], t) for g, t in zip(opt.param_groups, rates.ramp["to"])}
-        assert by_name["small"] == (1e-3, pytest.approx(1e-3 * sched.lr_lambdas[0](5)))
-        assert by_name[top][0] == pytest.approx(1e-3 * (r_ours if edge_alpha == "kept" else r_rel)[top])
+        assert by_name["small"] == (1e-3, pytest.approx(2e-3 * sched.lr_lambdas[0](5)))
+        assert by_name[top][0] == pytest.approx(1e-3 * lr_ratios(alphas, 2.0, 5.0)[top])
 
 
 # --- groups -------------------------------------------------------------------------------------------------
