@@ -14,7 +14,7 @@ from functools import partial
 import lightning as L
 import torch
 
-from lightning_modules.llr import RateSchedule, module_alphas
+from lightning_modules.llr import BASELINES, RateSchedule, module_alphas
 from lightning_modules.llr.spectra import EDGE_ALPHA
 
 
@@ -56,6 +56,10 @@ class LLR(L.Callback):
         if len(trainer.optimizers) != 1 or not all("llr_base_lr" in g for g in trainer.optimizers[0].param_groups):
             raise ValueError("the LLR callback needs the LLR module and optimizer: use model=llr "
                              "(lightning_modules.llr.LLRModule with lightning_modules.llr.llr_optimizer)")
+        arm = trainer.optimizers[0].param_groups[0].get("llr_arm")
+        if arm in BASELINES:
+            raise ValueError(f"the LLR callback does not combine with model.optimizer.optimizer={arm}: the baseline "
+                             "arms train at uniform rates as released; use callbacks=default (or optimizer=adamw|muon)")
         self._total(trainer)
         _scheduler(trainer)
 

@@ -1,5 +1,5 @@
 """LLR (lightning_modules/llr/, callbacks/llr.py): the estimator, the rate map, the groups, the ramped schedule,
-Muon, the betas switch, the edge-α order, the warmup-cosine step index, resume, tiny runs."""
+Muon, the betas switch, the baseline arms (LARS, LAMB, Sharpness), the edge-α order, the warmup-cosine step index, resume, tiny runs."""
 from __future__ import annotations
 
 import math
@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from callbacks.llr import LLR
-from lightning_modules.llr import (BETAS, LLRModule, MuonWithAdamW, RateSchedule, cpu_threads, esd, hill_alpha,
-                                   llr_groups, llr_optimizer, lr_ratios, module_alphas)
+from lightning_modules.llr import (BETAS, LARS, LLRModule, Lamb, MuonWithAdamW, RateSchedule, cpu_threads, esd,
+                                   hill_alpha, llr_groups, llr_optimizer, lr_ratios, module_alphas)
 from lightning_modules.common.lm import warmup_cosine
 
 
@@ -202,6 +202,97 @@ def test_muon_with_adamw_matches_torch_optimizers_and_resumes():
     run(opt2, fresh, grads[3:])
     for a, b in zip(fresh, ours):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# --- the baseline arms (LARS, LAMB, Sharpness), each against a hand-worked step ----------------------------------
+def _norm(x):
+    return math.sqrt(sum(v * v for v in x))
+
+
+def _steps(opt, params, grads):
+    for gs in grads:
+        for p, g in zip(params, gs):
+            p.grad = torch.tensor(g, dtype=torch.float64)
+        opt.step()
+
+
+def test_lars_two_hand_worked_steps():
+    """v ← μv + (1−μ)(g + βw); w ← w − η‖w‖/(ε + ‖v‖)·v, per tensor (the release's olmo/lars.py)."""
+    lr, mu, wd, eps = 0.01, 0.9, 0.5, 1e-6
+    w = nn.Parameter(torch.tensor([3.0, 4.0], dtype=torch.float64))
+    opt = LARS([w], lr=lr, momentum=mu, weight_decay=wd, eps=eps)
+    w0, v = [3.0, 4.0], [0.0, 0.0]
+    for g in ([1.0, 0.0], [0.0, 1.0]):
+        d = [gi + wd * wi for gi, wi in zip(g, w0)]               # step 1: d = [2.5, 2.0], v = [0.25, 0.2]
+        v = [mu * vi + (1 - mu) * di for vi, di in zip(v, d)]
+        trust = _norm(w0) / (eps + _norm(v))                      # step 1: 5 / (1e-6 + 0.320156...)
+        w0 = [wi - lr * trust * vi for wi, vi in zip(w0, v)]
+        _steps(opt, [w], [[g]])
+        np.testing.assert_allclose(w.detach().numpy(), w0, rtol=1e-12)
+
+
+def test_lamb_hand_worked_step_clamp_and_zero_weight():
+    """m, v without bias correction; u = m/(√v + ε) + λw; w ← w − η·min(‖w‖, 10)/‖u‖·u; ratio 1 at ‖w‖ = 0."""
+    lr, (b1, b2), eps, wd = 0.1, (0.9, 0.999), 1e-6, 0.01
+    init = {"small": [3.0, 4.0], "large": [12.0, 16.0], "zero": [0.0, 0.0]}
+    grads = {"small": [1.0, 2.0], "large": [1.0, 2.0], "zero": [1.0, 1.0]}
+    params = [nn.Parameter(torch.tensor(w, dtype=torch.float64)) for w in init.values()]
+    opt = Lamb(params, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+    _steps(opt, params, [list(grads.values())])
+    for (name, w), p in zip(init.items(), params):
+        g = grads[name]
+        m = [(1 - b1) * x for x in g]
+        v = [(1 - b2) * x * x for x in g]
+        u = [mi / (math.sqrt(vi) + eps) + wd * wi for mi, vi, wi in zip(m, v, w)]
+        trust = min(_norm(w), 10.0) / _norm(u) if _norm(w) > 0 else 1.0   # small: 5/‖u‖; large: 10/‖u‖ (clamped)
+        expected = [wi - lr * trust * ui for wi, ui in zip(w, u)]
+        np.testing.assert_allclose(p.detach().numpy(), expected, rtol=1e-12, err_msg=name)
+    # the zero tensor moved by exactly η·u (u ≈ 0.1/0.0316 = 3.162 per entry): its ratio is 1, not 0
+    assert params[2].detach().numpy() == pytest.approx([-lr * 0.1 / (math.sqrt(1e-3) + eps)] * 2, rel=1e-12)
+
+
+def test_sharpness_block_rates_and_a_hand_worked_adamw_step():
+    """Sharpness = AdamW at fixed multiples of η per block: norms 1, Q/K 8, V/O 4, MLP 6, embed/head 10; its first
+    step is w(1 − η_b·λ) − η_b·g/(|g| + ε) (bias-corrected m̂ = g, v̂ = g²)."""
+    module = tiny_module(optimizer="sharpness")
+    opt = module.configure_optimizers()
+    assert type(opt) is torch.optim.AdamW and tuple(opt.defaults["betas"]) == BETAS["spec"]
+    expected = {"q_proj": 8, "k_proj": 8, "v_proj": 4, "o_proj": 4, "gate_proj": 6, "up_proj": 6, "down_proj": 6,
+                "embed_tokens": 10, "lm_head": 10, "": 1}
+    rate = {}
+    for g in opt.param_groups:
+        leaf = g["llr_module"].rsplit(".", 1)[-1]
+        assert g["lr"] == g["llr_base_lr"] == pytest.approx(1e-3 * expected[leaf]), g["llr_module"]
+        rate.update({id(p): g["lr"] for p in g["params"]})
+    params = list(module.parameters())
+    before = [p.detach().clone() for p in params]
+    torch.manual_seed(0)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    for p, w in zip(params, before):
+        lr = rate[id(p)]
+        torch.testing.assert_close(p.detach(), w * (1 - lr * 0.1) - lr * p.grad / (p.grad.abs() + 1e-8))
+
+
+def test_baseline_arms_are_selectable_and_refuse_the_llr_callback():
+    from types import SimpleNamespace
+
+    for arm, cls in (("lars", LARS), ("lamb", Lamb), ("sharpness", torch.optim.AdamW)):
+        opt = tiny_module(optimizer=arm).configure_optimizers()
+        assert type(opt) is cls and all(g["llr_arm"] == arm for g in opt.param_groups)
+        trainer = SimpleNamespace(optimizers=[opt], max_steps=10, lr_scheduler_configs=[])
+        with pytest.raises(ValueError, match="callbacks=default"):
+            LLR().on_fit_start(trainer, None)
+    lamb = tiny_module(optimizer="lamb").configure_optimizers()
+    assert lamb.defaults["eps"] == 1e-6 and lamb.defaults["clamp_value"] == 10.0   # torch_optimizer's defaults
+    lars = tiny_module(optimizer="lars").configure_optimizers()
+    assert (lars.defaults["momentum"], lars.defaults["eps"]) == (0.9, 1e-6)          # the release's LARS
+    groups = tiny_module().param_groups()
+    with pytest.raises(ValueError, match="lars, lamb, sharpness"):
+        llr_optimizer(groups, optimizer="sgd")
+    with pytest.raises(ValueError, match="keys must be among"):
+        llr_optimizer(groups, optimizer="sharpness", sharpness_ratios={"attn": 2.0})
 
 
 # --- the schedule ---------------------------------------------------------------------------------------------

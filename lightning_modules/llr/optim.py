@@ -1,4 +1,5 @@
-"""Per-module parameter groups and the LLR optimizer: AdamW (released) or Muon + AdamW (paper) (spec 2.3)."""
+"""Per-module parameter groups and the LLR optimizer: AdamW (released) or Muon + AdamW (paper) (spec 2.3), and the
+main table's baseline arms LARS, LAMB and Sharpness (``baselines.py``)."""
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
@@ -6,7 +7,11 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
+from lightning_modules.llr.baselines import LARS, SHARPNESS_RATIOS, Lamb, sharpness_block
 from lightning_modules.llr.spectra import is_edge
+
+# The baseline arms of the main table: uniform schedules only, the LLR callback refuses them.
+BASELINES = ("lars", "lamb", "sharpness")
 
 # A paper/code disagreement: the spec gives (0.9, 0.95); the released build_optimizer_LLR passes only the weight
 # decay, so the released runs train with torch's default (0.9, 0.999).
@@ -82,21 +87,34 @@ class MuonWithAdamW(torch.optim.Optimizer):
 def llr_optimizer(params: Iterable[dict], optimizer: str = "adamw", lr: float = 5e-4, betas_source: str = "spec",
                   eps: float = 1e-8, weight_decay: float | None = 0.1, muon_lr: float = 0.02,
                   muon_momentum: float = 0.95, muon_nesterov: bool = True, muon_ns_steps: int = 5,
-                  muon_weight_decay: float = 0.0, muon_adjust_lr_fn: str | None = "original") -> torch.optim.Optimizer:
+                  muon_weight_decay: float = 0.0, muon_adjust_lr_fn: str | None = "original",
+                  lars_momentum: float = 0.9, lars_eps: float = 1e-6, lamb_eps: float = 1e-6,
+                  lamb_clamp: float = 10.0, sharpness_ratios: Mapping[str, float] | None = None) -> torch.optim.Optimizer:
     """The LLR optimizer over per-module groups (``LLRModule.param_groups``, or any groups ``llr_groups`` made).
 
     Args:
         params: per-module groups carrying ``llr_module`` / ``llr_edge``.
-        optimizer: ``adamw`` (released code) or ``muon`` (paper; Muon on hidden matrices, AdamW elsewhere).
-        lr: the uniform (AdamW) base rate η.
-        betas_source: AdamW's betas. ``spec`` (default): (0.9, 0.95), what the spec states; ``release``: torch's
+        optimizer: ``adamw`` (released code) or ``muon`` (paper; Muon on hidden matrices, AdamW elsewhere), or a
+            baseline arm of the main table (``baselines.py``; uniform rates, no LLR callback): ``lars``, ``lamb``,
+            ``sharpness`` (AdamW at ``SHARPNESS_RATIOS`` x lr per block).
+        lr: the uniform base rate η (released 1B: AdamW 5e-4, LARS 1e-3, LAMB 1e-2, Sharpness 1e-4).
+        betas_source: AdamW's (and LAMB's, Sharpness's) betas. ``spec`` (default): (0.9, 0.95), what the spec states; ``release``: torch's
             default (0.9, 0.999), what the released code actually trains with (its builder passes no betas).
         weight_decay: applied to every AdamW group, norms included, as the released code's AdamW does;
             ``None`` keeps each parent group's own value (the base module: matrices only).
         muon_*: Muon's base rate and hyperparameters for the hidden matrices.
+        lars_momentum, lars_eps: LARS's μ and trust-ratio ε (released 0.9, 1e-6); LARS takes ``weight_decay`` as
+            its L2 β (released 1B script: 1e-6).
+        lamb_eps, lamb_clamp: LAMB's ε and weight-norm clamp (torch_optimizer's 1e-6, 10).
+        sharpness_ratios: per-block multipliers overriding ``SHARPNESS_RATIOS`` (keys norm, qk, vo, mlp, edge, other).
     """
-    if optimizer not in ("adamw", "muon"):
-        raise ValueError(f"llr_optimizer(optimizer={optimizer!r}): choose adamw or muon")
+    if optimizer not in ("adamw", "muon", *BASELINES):
+        raise ValueError(f"llr_optimizer(optimizer={optimizer!r}): choose adamw or muon (LLR), or a baseline arm: "
+                         f"{', '.join(BASELINES)}")
+    ratios = {**SHARPNESS_RATIOS, **(sharpness_ratios or {})}
+    if set(ratios) != set(SHARPNESS_RATIOS):
+        raise ValueError(f"llr_optimizer(sharpness_ratios={dict(sharpness_ratios)}): keys must be among "
+                         f"{sorted(SHARPNESS_RATIOS)}")
     if betas_source not in BETAS:
         raise ValueError(f"llr_optimizer(betas_source={betas_source!r}): choose spec (0.9, 0.95) or release (0.9, 0.999)")
     groups = [dict(g) for g in params]
@@ -106,13 +124,21 @@ def llr_optimizer(params: Iterable[dict], optimizer: str = "adamw", lr: float = 
     use_muon = optimizer == "muon"
     for g in groups:
         g["use_muon"] = bool(use_muon and g["llr_module"] and not g["llr_edge"] and all(p.ndim == 2 for p in g["params"]))
+        g["llr_arm"] = optimizer
         base = muon_lr if g["use_muon"] else lr
+        if optimizer == "sharpness":  # the untuned group holds the norms (block "norm", ratio 1 as released)
+            base = lr * ratios["edge" if g["llr_edge"] else sharpness_block(g["llr_module"] or "norm")]
         g["lr"] = g["llr_base_lr"] = float(base)
         if g["use_muon"]:
             g["weight_decay"] = float(muon_weight_decay)
         elif weight_decay is not None:
             g["weight_decay"] = float(weight_decay)
     adamw = dict(lr=lr, betas=BETAS[betas_source], eps=eps, weight_decay=0.1 if weight_decay is None else weight_decay)
+    if optimizer == "lars":
+        return LARS(groups, lr=lr, momentum=lars_momentum, weight_decay=adamw["weight_decay"], eps=lars_eps)
+    if optimizer == "lamb":
+        return Lamb(groups, lr=lr, betas=adamw["betas"], eps=lamb_eps, weight_decay=adamw["weight_decay"],
+                    clamp_value=lamb_clamp)
     if not use_muon:
         return torch.optim.AdamW(groups, **adamw)
     muon = dict(lr=muon_lr, momentum=muon_momentum, nesterov=muon_nesterov, ns_steps=muon_ns_steps,
