@@ -444,22 +444,45 @@ def test_uniform_tiny_smoke_keeps_one_rate(tmp_path):
 
 
 # --- paper-scale configs as data ------------------------------------------------------------------------------
-@pytest.mark.parametrize("name,steps,warmup,lr,opt", [
-    ("llr_llama_60m", 3200, 320, 1e-3, "adamw"), ("llr_llama_130m", 5200, 520, 1e-3, "adamw"),
-    ("llr_llama_350m", 13600, 1360, 1e-3, "adamw"), ("llr_llama_1b", 40000, 4000, 5e-4, "adamw"),
-    ("llr_llama_1b_muon", 40000, 4000, 5e-4, "muon")])
-def test_paper_scale_configs_follow_the_spec(name, steps, warmup, lr, opt, tmp_path):
+@pytest.mark.parametrize("name,steps,warmup,lr,opt,wd", [
+    ("llr_llama_60m", 3200, 320, 1e-3, "adamw", 0.1), ("llr_llama_130m", 5200, 520, 1e-3, "adamw", 0.1),
+    ("llr_llama_350m", 13600, 1360, 1e-3, "adamw", 0.1), ("llr_llama_1b", 40000, 4000, 5e-4, "adamw", 0.1),
+    ("llr_llama_1b_muon", 40000, 4000, 5e-4, "muon", 0.1), ("llr_llama_1b_100b", 200000, 20000, 5e-4, "adamw", 0.1),
+    ("llr_llama_3b", 40000, 4000, 5e-4, "adamw", 0.1),
+    # the baseline arms at the released 1B scripts' rates (Lars.sh, Lamb.sh, sharpness.sh), uniform: no callback
+    ("llr_llama_1b_lars", 40000, 4000, 1e-3, "lars", 1e-6), ("llr_llama_1b_lamb", 40000, 4000, 1e-2, "lamb", 0.1),
+    ("llr_llama_1b_sharpness", 40000, 4000, 1e-4, "sharpness", 0.1)])
+def test_paper_scale_configs_follow_the_spec(name, steps, warmup, lr, opt, wd, tmp_path):
     from tests.helpers import compose
 
     cfg = compose(name, [], output_dir=tmp_path)
     t = cfg.trainer
     assert t.devices * cfg.data.batch_size * t.accumulate_grad_batches == 512 and cfg.data.seq_len == 1024
     assert (t.max_steps, cfg.model.scheduler.warmup_steps, cfg.model.scheduler.min_ratio) == (steps, warmup, 0.1)
-    assert (cfg.model.optimizer.lr, cfg.model.optimizer.optimizer, cfg.model.optimizer.weight_decay) == (lr, opt, 0.1)
+    assert (cfg.model.optimizer.lr, cfg.model.optimizer.optimizer, cfg.model.optimizer.weight_decay) == (lr, opt, wd)
     assert cfg.model.optimizer.betas_source == "spec" and t.gradient_clip_val is None
-    llr = cfg.callbacks.llr
-    assert (llr.every, llr.ramp_steps, llr.ratio, llr.r_min, llr.r_max) == (100, 50, 0.2, 1.0, 5.0)
-    assert cfg.backbone.config.vocab_size == 32000
+    assert cfg.backbone.config.vocab_size == 32000 and cfg.data._target_.endswith("ShardDataModule")
+    if opt in ("lars", "lamb", "sharpness"):
+        assert "llr" not in cfg.callbacks
+    else:
+        llr = cfg.callbacks.llr
+        assert (llr.every, llr.ramp_steps, llr.ratio, llr.r_min, llr.r_max) == (100, 50, 0.2, 1.0, 5.0)
+    assert cfg.paper.tokens == 512 * 1024 * steps and cfg.paper.lr == lr
+
+
+def test_zero_shot_suite_is_the_papers_seven_tasks(tmp_path):
+    """The suite behind 47.09 -> 49.02 (README table): OBQA, WinoGrande, ARC-c/e, HellaSwag, SIQA, PIQA; no BoolQ."""
+    import yaml
+
+    from tests.helpers import ROOT, compose
+
+    tables = {t["id"] for t in yaml.safe_load((ROOT / "benchmarks/tables/llr.yaml").read_text())["tables"]}
+    for name, size in (("llr_llama_1b_zero_shot", 2048), ("llr_llama_3b_zero_shot", 2560)):
+        cfg = compose(name, [], output_dir=tmp_path)
+        assert cfg.task == "test" and cfg.model.num_fewshot == 0 and cfg.backbone.config.hidden_size == size
+        assert sorted(cfg.model.tasks) == sorted(["openbookqa", "winogrande", "arc_challenge", "arc_easy",
+                                                  "hellaswag", "social_iqa", "piqa"])
+        assert set(cfg.paper.reproduces) <= tables
 
 
 # --- where ours differs from the release, measured ------------------------------------------------------------
