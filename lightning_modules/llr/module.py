@@ -14,6 +14,8 @@ ICML 2026, arXiv 2605.22297; released code github.com/hed-ucas/Layer-wise-Learni
   ``build_optimizer_LLR`` has no Muon branch; the per-layer ratios scale each group's own base rate (``muon_lr``
   for Muon matrices, ``lr`` for the AdamW groups, so embed/head get r_max·lr as in the code's ``LRUnbalance`` Muon
   branch). Muon defaults (lr 0.02, momentum 0.95, Nesterov, wd 0, ``adjust_lr_fn: original``) are [INF].
+- The main table's baseline arms (``baselines.py``): ``optimizer=lars|lamb|sharpness`` over the same groups at
+  uniform rates (Sharpness: fixed block multiples), as the release trains them; the LLR callback refuses them.
 - The rates (``spectra.py``, ``rates.py``), recomputed by the ``callbacks.llr.LLR`` callback:
 
   1. λ = σ(W)² (``torch.linalg.svdvals``, no 1/N normalisation; ``esd_dtype`` float32 as released, or float64).
