@@ -20,6 +20,8 @@ def register_resolvers() -> None:
         # Cached: Hydra copies the sweep-time cache into each job's config, so every job resolves
         # hydra.sweep.dir to the dir the sweep itself was given, even when the experiment is a swept axis.
         OmegaConf.register_new_resolver("sweep_experiment", sweep_experiment, use_cache=True)
+    if not OmegaConf.has_resolver("sweep_subdir"):
+        OmegaConf.register_new_resolver("sweep_subdir", sweep_subdir)
     if not OmegaConf.has_resolver("run_group"):
         OmegaConf.register_new_resolver("run_group", run_group)
 
@@ -40,6 +42,12 @@ def sweep_experiment(task_overrides, chosen: str) -> str:
             except Exception:  # glob(...) and the like: name the dir by what was typed
                 return "".join(c if c.isalnum() or c in "_-" else "_" for c in ov.input_line.split("=", 1)[1])
     return chosen
+
+
+def sweep_subdir(sweep: str, experiment: str, dirname: str) -> str:
+    """A job's dir in its sweep: its overrides, under its experiment when the experiment is a swept axis
+    (``experiment`` is left out of the overrides' dir name, so two experiments would otherwise share one)."""
+    return dirname if sweep == experiment else f"{experiment}/{dirname}"
 
 
 def run_group(experiment: str) -> str:

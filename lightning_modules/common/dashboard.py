@@ -28,7 +28,15 @@ def run_config(cfg) -> dict:
             return [scrub(v) for v in node]
         return node
 
-    return scrub(OmegaConf.to_container(cfg, resolve=True))
+    out = scrub(OmegaConf.to_container(cfg, resolve=True))
+    try:  # the experiment and every group choice, for W&B's filters (the composed config has no such key)
+        from hydra.core.hydra_config import HydraConfig
+
+        choices = {k: v for k, v in HydraConfig.get().runtime.choices.items() if not k.startswith("hydra")}
+        out = {"experiment": choices.get("experiment"), "choices": choices, **out}
+    except ValueError:
+        pass
+    return out
 
 
 def _kind(logger) -> str:
