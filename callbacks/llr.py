@@ -292,6 +292,7 @@ class LLR(L.Callback):
         self.ramp: dict | None = None      # {"start", "end", "from", "to"} in trainer.global_step units
         self.alphas: dict[str, float] = {}
         self.ratios: dict[str, float] = {}
+        self._history: list[tuple[int, dict, dict]] = []
         self.recompute_steps: list[int] = []
 
     # --- pure scheduling (also driven directly by tests) ---------------------------------------------
@@ -358,11 +359,26 @@ class LLR(L.Callback):
             if finite:
                 pl_module.log_dict({"llr/alpha_min": min(finite), "llr/alpha_max": max(finite),
                                     "llr/alpha_mean": sum(finite) / len(finite)}, on_step=True, on_epoch=False)
+            self._history.append((k, dict(self.alphas), dict(self.ratios)))  # for the dashboard at fit end
             results = getattr(pl_module, "results", None) or {}
             results["llr"] = {"alphas": dict(self.alphas), "lr_ratio": dict(self.ratios),
                               "recompute_steps": list(self.recompute_steps)}
             pl_module.results = results
         self.apply_ramp(k, optimizer)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        """Per-layer α and LR multiplier over the recompute steps (of this process: not kept across a resume)."""
+        from lightning_modules.common.dashboard import heatmap, log_table
+
+        if not self._history:
+            return
+        log_table("llr/recomputes", [{"step": k, "module": m, "alpha": a[m], "lr_ratio": r.get(m)}
+                                     for k, a, r in self._history for m in a], trainer.loggers)
+        modules, steps = list(self._history[-1][1]), [k for k, _, _ in self._history]
+        for key, idx in (("alpha", 1), ("lr_ratio", 2)):
+            values = [[h[idx].get(m, float("nan")) for h in self._history] for m in modules]
+            heatmap(f"llr/{key}", values, trainer.loggers, xlabel="recompute step", ylabel="module",
+                    xticks=steps, yticks=modules)
 
     def state_dict(self) -> dict:
         return {"ramp": self.ramp, "alphas": self.alphas, "ratios": self.ratios, "recompute_steps": self.recompute_steps}

@@ -254,3 +254,28 @@ def test_dashboard_does_nothing_without_a_logger(tmp_path):
     log_table("t", ROWS, [])
     log_figure("f", _figure(), None)
     assert not any(tmp_path.iterdir())
+
+
+# Each paper's tiny experiment puts its tables and figures on the dashboard (here: the CSV logger's run dir).
+PAPER_DASHBOARDS = {
+    "manifoldkv_tiny": ("kv_accuracy", "kv_retained_fraction_per_head"),
+    "watersic_tiny": ("quant_layers", "quant_rate_vs_limit"),
+    "hici_tiny": ("long_context_by_length", "long_context_ppl"),
+    "llr_tiny": ("llr_recomputes", "llr_alpha"),
+    "ps_ppo_tiny": ("val_completions", "rl_reward"),
+    "qat_law_tiny": ("qat_variants", "qat_delta"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("experiment", sorted(PAPER_DASHBOARDS))
+def test_paper_dashboards(experiment, tmp_path):
+    import csv
+
+    table, fig = PAPER_DASHBOARDS[experiment]
+    _, metrics = run_experiment(experiment, tmp_path)
+    assert metrics["status"] == "ok"
+    with open(tmp_path / "csv" / "tables" / f"{table}.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and all(any(v not in ("", None) for v in r.values()) for r in rows)
+    assert (tmp_path / "csv" / "figures" / f"{fig}.png").stat().st_size > 1000
