@@ -178,8 +178,10 @@ def test_run_config_drops_secrets():
 
     from lightning_modules.common.dashboard import run_config
 
-    cfg = OmegaConf.create({"a": 1, "b": "${a}", "local": {"wandb_api_key": "x", "hf_token": "y", "keep": [1]}})
-    assert run_config(cfg) == {"a": 1, "b": 1, "local": {"keep": [1]}}
+    cfg = OmegaConf.create({"a": 1, "b": "${a}", "local": {"wandb_api_key": "SECRET-1", "hf_token": "SECRET-2", "keep": [1]}})
+    out = run_config(cfg)  # (plus the experiment and group choices when a HydraConfig is set)
+    assert {k: out[k] for k in ("a", "b", "local")} == {"a": 1, "b": 1, "local": {"keep": [1]}}
+    assert "SECRET" not in str(out)
 
 
 # --- dashboards: log_table / log_figure -----------------------------------------------------------------------
