@@ -30,7 +30,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-PLACEHOLDER = re.compile(r"<[^<>`]+>")
+PLACEHOLDER = re.compile(r"<[^<>`]+>|…")  # user data, or an elided argument list
 HARDWARE = ("launcher=slurm", "trainer=gpu", "trainer=deepspeed", "trainer.accelerator=gpu")
 
 
