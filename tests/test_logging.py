@@ -281,3 +281,25 @@ def test_paper_dashboards(experiment, tmp_path):
         rows = list(csv.DictReader(f))
     assert rows and all(any(v not in ("", None) for v in r.values()) for r in rows)
     assert (tmp_path / "csv" / "figures" / f"{fig}.png").stat().st_size > 1000
+
+
+def test_sweep_fit_logs_its_table_and_plot_to_wandb(tmp_path, monkeypatch):
+    """``python -m sweeps.fit … --wandb``: the collected table and the fitted law's plot reach one W&B run."""
+    import pandas as pd
+    import wandb
+
+    from sweeps.fit import main
+    from tests.test_sweeps_qat import planted_delta
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    df = planted_delta(noise=0.02).rename(columns={"G": "group_size"})
+    df["precision"], df["seed"], df["loss"] = "w4a4", 1, 3.0
+    pd.concat([df, df.drop_duplicates(["N", "D"]).assign(precision="fp", delta=0.0, group_size=0)],
+              ignore_index=True).to_csv(tmp_path / "t.csv", index=False)
+    logged = []
+    monkeypatch.setattr(wandb.sdk.wandb_run.Run, "log", lambda self, data, *a, **k: logged.append(data))
+    assert main([str(tmp_path / "t.csv"), "--out", str(tmp_path / "out"), "--wandb"]) == 0
+    assert wandb.run is None  # finished
+    by_key = {k: v for d in logged for k, v in d.items()}
+    assert isinstance(by_key["qat_law/fit"][0], wandb.Image)
+    assert isinstance(by_key["law/table"], wandb.Table) and len(by_key["law/table"].data) == len(df) + df[["N", "D"]].drop_duplicates().shape[0]
