@@ -177,8 +177,16 @@ def test_readme_command(item: Item, tmp_path):
         import json
 
         assert all(json.loads(p.read_text()).get("status") == "ok" for p in runs)
-        if "-m" in item.line.split():
-            assert (tmp_path / "logs" / "multirun" / _experiment(item.line.split()) / "summary.json").exists()
+        tokens = item.line.split()
+        if "-m" in tokens:
+            assert (tmp_path / "logs" / "multirun" / _experiment(tokens) / "summary.json").exists()
+        if "logger=wandb" in tokens:  # each run dir holds a finished offline W&B run with its final metrics
+            from tests.test_logging import wandb_records
+
+            for path in runs:
+                final, rec = json.loads(path.read_text())["final"], wandb_records(path.parent)
+                assert rec["exit"] == 0 and rec["config"]["experiment"] == _experiment(tokens)
+                assert rec["summary"]["val/loss"] == pytest.approx(final["val/loss"], rel=1e-6)
 
 
 def _setup_blocks() -> list[str]:
