@@ -45,6 +45,7 @@ class LLR(L.Callback):
                          svd_threads=svd_threads, edge_alpha=edge_alpha)
         self.rates = RateSchedule(every, ramp_steps, ratio, r_min, r_max, alphas=alphas)
         self.total_steps = total_steps
+        self._history: list[tuple[int, dict, dict]] = []  # (step, alphas, ratios) for the dashboard at fit end
 
     def _total(self, trainer) -> int:
         total = self.total_steps or trainer.max_steps
@@ -74,6 +75,7 @@ class LLR(L.Callback):
             self.rates.recompute(k, optimizer, _scheduler(trainer), weights,
                                  broadcast=lambda obj: trainer.strategy.broadcast(obj, src=0))
             self._log(pl_module)
+            self._history.append((k, dict(self.rates.alphas), dict(self.rates.ratios)))
         self.rates.apply_ramp(k, optimizer)
 
     def _log(self, pl_module) -> None:
@@ -84,6 +86,20 @@ class LLR(L.Callback):
             logs.update({"llr/alpha_min": min(alphas.values()), "llr/alpha_max": max(alphas.values()),
                          "llr/alpha_mean": sum(alphas.values()) / len(alphas)})
         pl_module.log_dict(logs, on_step=True, on_epoch=False)
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        """Per-layer α and LR multiplier over the recompute steps (of this process: not kept across a resume)."""
+        from lightning_modules.common.dashboard import heatmap, log_table
+
+        if not self._history:
+            return
+        log_table("llr/recomputes", [{"step": k, "module": m, "alpha": a[m], "lr_ratio": r.get(m)}
+                                     for k, a, r in self._history for m in a], trainer.loggers)
+        modules, steps = list(self._history[-1][1]), [k for k, _, _ in self._history]
+        for key, idx in (("alpha", 1), ("lr_ratio", 2)):
+            values = [[h[idx].get(m, float("nan")) for h in self._history] for m in modules]
+            heatmap(f"llr/{key}", values, trainer.loggers, xlabel="recompute step", ylabel="module",
+                    xticks=steps, yticks=modules)
 
     def state_dict(self) -> dict:
         return self.rates.state_dict()

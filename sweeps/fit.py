@@ -198,13 +198,17 @@ def main(argv=None) -> int:
     ap.add_argument("--where", action="append", default=[], help="column=value filters (repeatable)")
     ap.add_argument("--huber-delta", type=float, default=None)
     ap.add_argument("--out", default=None, help="output prefix: <out>.csv, <out>_fit.json, <out>_fit.md, <out>.png")
-    ap.add_argument("--wandb", action="store_true", help="also log the table, constants and plot to a W&B run")
+    ap.add_argument("--wandb", action="store_true",
+                    help="also log the table, constants and plot to a W&B run in the sweep's group (multirun/<dir name>)")
     args = ap.parse_args(argv)
-    run = None
-    if args.wandb:
-        import wandb
+    loggers = []
+    if args.wandb:  # the group the sweep's own runs have (callbacks/hydra_summary.run_group)
+        from lightning.pytorch.loggers import WandbLogger
 
-        run = wandb.init(project="paperlab", job_type="fit-law", name=f"fit-{args.law}", config=vars(args))
+        group = f"multirun/{Path(args.sources[0]).name}" if not args.sources[0].endswith(".csv") else None
+        loggers.append(WandbLogger(project="paperlab", group=group, job_type="fit-law", name=f"fit-{args.law}",
+                                   save_dir=args.out and str(Path(args.out).parent) or "."))
+        loggers[0].log_hyperparams(vars(args))
 
     if len(args.sources) == 1 and args.sources[0].endswith(".csv"):
         table, failures = pd.read_csv(args.sources[0]), []
@@ -231,14 +235,17 @@ def main(argv=None) -> int:
         out.with_name(out.name + "_fit.md").write_text(text)
         from sweeps.plot import plot_report
 
-        plot_report(table, report, out.with_name(out.name + ".png"))
+        plot_report(table, report, out.with_name(out.name + ".png"), loggers=loggers)
         print(f"wrote {out}.csv, {out}_fit.json, {out}_fit.md, {out}.png")
-    if run is not None:
+    if loggers:
         import wandb
 
-        run.log({"law/table": wandb.Table(dataframe=table.astype(str))})
-        run.summary.update({f"{name}/{k}": v for name, f in report["fits"].items() for k, v in f["constants"].items()})
-        run.finish()
+        from lightning_modules.common.dashboard import log_table
+
+        log_table("law/table", table.to_dict("records"), loggers)
+        loggers[0].experiment.summary.update({f"{name}/{k}": v for name, f in report["fits"].items()
+                                              for k, v in f["constants"].items()})
+        wandb.finish()
     return 0
 
 

@@ -23,6 +23,9 @@ def register_resolvers() -> None:
     if not OmegaConf.has_resolver("run_dirname"):
         # The part of a run dir that comes from the command line's overrides; 'default' when there are none.
         OmegaConf.register_new_resolver("run_dirname", run_dirname)
+    from callbacks.hydra_summary import register_resolvers as register_sweep_resolvers
+
+    register_sweep_resolvers()  # sweep dir and W&B group
 
 
 def run_dirname(overrides: str, max_len: int = 160) -> str:
@@ -151,8 +154,11 @@ def _run(cfg: DictConfig):
         callbacks.append(HFZero3Init())
     loggers = _instantiate_dict(cfg.get("logger"), "logger")
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, _convert_="all")
-    for lg in loggers:
-        lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+    if loggers:
+        from lightning_modules.common.dashboard import run_config
+
+        for lg in loggers:
+            lg.log_hyperparams(run_config(cfg))  # resolved, without secrets
 
     task = cfg.task
     ckpt_path = cfg.get("ckpt_path")

@@ -184,6 +184,15 @@ class HiCILongContextLM(CausalLMModule):
         for k, v in self.results.items():
             if isinstance(v, (int, float)):
                 self.log(f"test/{k}", float(v), rank_zero_only=True)
+        from lightning_modules.common.dashboard import curve, log_table
+
+        by = {m: {int(k.split("@")[1]): v for k, v in self.results.items() if k.startswith(m + "@")} for m in ("ppl", "passkey")}
+        log_table("long_context/by_length", [{"context_length": n, "ppl": by["ppl"].get(n), "passkey": by["passkey"].get(n)}
+                                             for n in sorted(set(by["ppl"]) | set(by["passkey"]))], self.loggers)
+        for m, label in (("ppl", "perplexity"), ("passkey", "passkey accuracy")):
+            if by[m]:
+                curve(f"long_context/{m}", {self.eval_cfg.get("mode", m): (sorted(by[m]), [by[m][n] for n in sorted(by[m])])},
+                      self.loggers, xlabel="context length (tokens)", ylabel=label, logx=True)
 
     @torch.no_grad()
     def long_context_eval(self, dm) -> dict:

@@ -125,3 +125,11 @@ class KVPressEvalModule(CausalLMModule):
             "predictions": [{k: r[k] for k in ("task", "length", "context_tokens", "prediction", "outputs", "score")}
                             for r in rows[: self.n_predictions]],
         }
+        from lightning_modules.common.dashboard import heatmap, log_table
+
+        press = str(self.press_spec)  # the press and its ratio: a sweep's runs line up in W&B by this column
+        log_table("kv/accuracy", [{"task": c.split("/")[0], "length": int(c.split("/")[1]), "press": press,
+                                   "accuracy": a} for c, a in per_cell.items()], self.loggers)
+        heads = self.results["retained_fraction_per_head"]
+        heatmap("kv/retained_fraction_per_head", [heads[k] for k in heads], self.loggers, xlabel="KV head",
+                ylabel="layer", yticks=list(heads))
