@@ -18,7 +18,7 @@ os.environ.setdefault("PAPERLAB_ROOT", str(ROOT))
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from lightning_modules.common.runner import register_resolvers, run  # noqa: E402  (no heavy imports)
+from runner import register_resolvers, run  # noqa: E402  (no heavy imports)
 
 register_resolvers()
 
