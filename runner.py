@@ -85,9 +85,7 @@ def check_config(cfg: DictConfig) -> None:
     ckpt = cfg.get("ckpt_path")
     if ckpt and ckpt not in ("last", "best") and not Path(ckpt).exists():
         raise ConfigError(f"ckpt_path={ckpt!r} does not exist: pass an existing .ckpt, or ckpt_path=last to resume this run dir")
-    plain = OmegaConf.to_container(cfg, resolve=True)
-    plain.pop("hydra", None)
-    _check_numbers(plain, "")
+    _check_numbers(cfg, "")
 
 
 def _numeric_params(target: str) -> dict:
@@ -103,24 +101,31 @@ def _numeric_params(target: str) -> dict:
 
 
 def _check_numbers(node, where: str) -> None:
-    """A word where a target takes a number (``model.optimizer.lr=abc``) is a one-line error, not a TypeError later."""
-    if isinstance(node, list):
-        for i, sub in enumerate(node):
-            _check_numbers(sub, f"{where}[{i}]")
+    """A word where a target takes a number (``model.optimizer.lr=abc``) is a one-line error, not a TypeError later.
+
+    Walks the config's own nodes (interpolations left unresolved, except the values checked)."""
+    from omegaconf import ListConfig
+
+    if isinstance(node, ListConfig):
+        for i in range(len(node)):
+            _check_numbers(node._get_node(i), f"{where}[{i}]")
         return
-    if not isinstance(node, dict):
+    if not isinstance(node, DictConfig) or node._is_none() or node._is_missing() or node._is_interpolation():
         return
-    numeric = _numeric_params(node["_target_"]) if isinstance(node.get("_target_"), str) else {}
-    for key, value in node.items():
+    target = node._get_node("_target_") if "_target_" in node else None
+    numeric = _numeric_params(target._value()) if target is not None and isinstance(target._value(), str) else {}
+    for key in node.keys():
+        if not where and key == "hydra":
+            continue
         path = f"{where}.{key}" if where else str(key)
-        if key in numeric and isinstance(value, str):
+        if key in numeric and isinstance(value := node[key], str):
             try:
                 float(value)
             except ValueError:
                 example = numeric[key] if type(numeric[key]) in (int, float) else 1
-                raise ConfigError(f"{path}={value!r} is not a number ({node['_target_']} takes a number for "
+                raise ConfigError(f"{path}={value!r} is not a number ({target._value()} takes a number for "
                                   f"{key}): pass one, e.g. {path}={example}") from None
-        _check_numbers(value, path)
+        _check_numbers(node._get_node(key), path)
 
 
 def _instantiate_dict(node, what: str) -> list:
