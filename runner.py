@@ -78,10 +78,9 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError("DeepSpeed needs GPUs (trainer.accelerator=gpu); on CPU use trainer=ddp or trainer=fsdp")
     pretrained = cfg.get("backbone", {}).get("pretrained")
     if pretrained:
-        from lightning_modules.common.backbone import resolve_pretrained
+        from datamodules.common.tiny_models import resolve_pretrained
 
-        if pretrained != "tiny-lm":
-            resolve_pretrained(pretrained)  # raises one clear line for a missing local path
+        resolve_pretrained(pretrained)  # one clear line for a missing local path or a tiny model not built yet
     ckpt = cfg.get("ckpt_path")
     if ckpt and ckpt not in ("last", "best") and not Path(ckpt).exists():
         raise ConfigError(f"ckpt_path={ckpt!r} does not exist: pass an existing .ckpt, or ckpt_path=last to resume this run dir")
