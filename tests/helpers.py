@@ -10,6 +10,7 @@ CONF = ROOT / "conf"
 
 
 def experiments() -> list[str]:
+    """The runnable experiments: conf/experiment/*.yaml (family bases in conf/experiment/base/ are not ones)."""
     return sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
 
