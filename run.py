@@ -18,7 +18,7 @@ os.environ.setdefault("PAPERLAB_ROOT", str(ROOT))
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from lightning_modules.common.runner import register_resolvers, run  # noqa: E402  (no heavy imports)
+from runner import ConfigError, register_resolvers, run  # noqa: E402  (no heavy imports)
 
 register_resolvers()
 
@@ -42,7 +42,11 @@ def check_renamed(argv: list[str]) -> None:
 
 @hydra.main(config_path="conf", config_name="run", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
-    return run(cfg)
+    try:
+        return run(cfg)
+    except ConfigError as err:  # a config that cannot work: its one line, not a traceback
+        print(f"config error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

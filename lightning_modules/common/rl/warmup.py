@@ -25,10 +25,10 @@ def warmup_key(backbone: Mapping[str, Any], warmup: Mapping[str, Any]) -> str:
     sample = generate_problems(warmup.get("task", "arithmetic"), 4, 1, int(warmup.get("digits", 2)),
                                tuple(warmup.get("operations", ("+", "-"))))
     parts = [start, dict(warmup), PROMPT, sample]
-    if backbone.get("pretrained") == "tiny-lm":
-        from lightning_modules.common.tiny_pretrained import tiny_pretrained_key
+    from datamodules.common.tiny_models import is_tiny_model, key
 
-        parts.append(tiny_pretrained_key())
+    if is_tiny_model(backbone.get("pretrained")):
+        parts.append(key(backbone["pretrained"]))
     return stable_hash(*parts)
 
 
