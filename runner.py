@@ -151,12 +151,12 @@ def _is_multirun() -> bool:
 
 
 def _number(v) -> float | None:
-    """A logged scalar as a float; None for tensors with several values and for NaN."""
+    """A logged scalar as a float; None for tensors with several values."""
     if hasattr(v, "numel"):
         if v.numel() != 1:
             return None
         v = v.detach().float().item()
-    return float(v) if isinstance(v, (int, float)) and not math.isnan(v) else None
+    return float(v) if isinstance(v, (int, float)) else None
 
 
 def _plain(v):
@@ -174,6 +174,7 @@ class _State:
         self.t0 = time.time()
         self.metric, self.mode = cfg.get("optimized_metric"), cfg.get("optimized_mode")
         self.trainer = self.module = None
+        self.seen: dict[str, float] = {}  # NaN included: what sweepers get back
         self.final: dict[str, float] = {}
         self.best: dict = {"metric": self.metric, "mode": self.mode, "value": None, "step": None}
 
@@ -183,7 +184,8 @@ class _State:
             return
         for k, v in self.trainer.callback_metrics.items():
             if (x := _number(v)) is not None:
-                self.final[k] = x
+                self.seen[k] = x
+        self.final = {k: x for k, x in self.seen.items() if not math.isnan(x)}  # every stage's last value
         x, old = self.final.get(self.metric), self.best["value"]
         if x is not None and (old is None or (x < old if self.mode == "min" else x > old)):
             self.best.update(value=x, step=self.trainer.global_step)
@@ -320,9 +322,8 @@ def _run(cfg: DictConfig, state: _State):
     state.write(out_dir / "metrics.json", "ok")
     if trainer.global_rank == 0:
         _print_table(cfg, state.final, out_dir)
-    value = _number(trainer.callback_metrics.get(cfg.get("optimized_metric") or "", float("nan")))
-    nan = cfg.get("optimized_metric") in trainer.callback_metrics  # logged but not a finite number: NaN to sweepers
-    return value if value is not None and math.isfinite(value) else (float("nan") if nan else None)
+    value = state.seen.get(cfg.get("optimized_metric") or "", None)
+    return value if value is None or math.isfinite(value) else float("nan")
 
 
 def _print_table(cfg, metrics: dict, out_dir: Path) -> None:
