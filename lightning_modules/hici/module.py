@@ -12,8 +12,8 @@ The recipe (spec ../shared/papers/hici.md, from the released ``fine-tune_hici.py
   and expander) | ``xavier``.
 - ``s2``: group_ratio 1/4, shift ``no_wrap`` (default, leak-free) | ``roll`` (LongLoRA's code; wraps, leaks).
 - ``lora``: r=8, α=16, dropout 0 on q/k/v/o (``common.lora.apply_lora``); ``trainable``: embeddings and norms
-  fully trainable; HiCI
-  modules trainable with their own lr ``hici_lr`` (2e-4 vs 2e-5) and their own grad-norm clip ``hici_grad_clip``
+  fully trainable; HiCI modules trainable with their own lr ``hici_lr`` (2e-4 vs 2e-5) and their own grad-norm clip
+  ``hici_grad_clip``
   (0.3, HiCI parameters only; under DeepSpeed ZeRO the norm is taken over the full gradients through
   ``deepspeed.utils.safe_get_full_grad`` / ``safe_set_full_grad``).
 - ``rope``: linear position interpolation with factor ceil(target_length / original_length) (original: the
@@ -27,7 +27,10 @@ The recipe (spec ../shared/papers/hici.md, from the released ``fine-tune_hici.py
 - Padding: the attention mask is honoured in the slots, the statistics and the broadcast (``hici_attention``), and
   the loss ignores padded labels.
 
-Added parameters (tests/test_hici.py, LLaMA-2-7B on the meta device, no biases as released): ADDED_FIGURE
+Added parameters (tests/test_hici.py, LLaMA-2-7B on the meta device, no biases as released): 12.16M per layer
+(8.42M local + 3.74M global), 389.1M in all = 5.77% of the base model, 5.46% of the adapted model — the spec's
+arithmetic (~5.7%) and the abstract page's "<5.5%" agree once the latter is read as a fraction of base + added; LoRA
+adds 8.4M more. (With ``bias: true``: 389.5M, 5.78%.)
 """
 from __future__ import annotations
 
@@ -153,10 +156,16 @@ class HiCILongContextLM(CausalLMModule):
         """The transformers model under the peft wrapper (or the model itself without LoRA)."""
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
 
-    def full_model(self):
+    def full_model(self, state_dict: dict | None = None):
         """The `full` inference model: a copy with LoRA merged, HiCI modules dropped and plain attention — a plain
-        transformers model (save_pretrained / from_pretrained round-trip)."""
-        model = merge_lora(copy.deepcopy(self.model))
+        transformers model (save_pretrained / from_pretrained round-trip). With ``state_dict`` (the gathered weights
+        of a sharded model) a fresh unsharded copy is built and loaded instead of copying the sharded one."""
+        if state_dict is None:
+            model = copy.deepcopy(self.model)
+        else:
+            model = self.build_model()
+            model.load_state_dict(state_dict)
+        model = merge_lora(model)
         for attn in attention_modules(model):
             for key in HICI_KEYS:
                 if key in attn._modules:
@@ -234,15 +243,31 @@ class HiCILongContextLM(CausalLMModule):
         return out
 
     def on_fit_end(self):
-        if self.export_dir and self.trainer.global_rank == 0 and self._exportable():
-            self.full_model().save_pretrained(self.export_dir)
+        if not self.export_dir:
+            return
+        state = self._gathered_state_dict()  # a collective under ZeRO-3 / FSDP2: every rank takes part
+        if self.trainer.global_rank == 0:
+            self.full_model(state).save_pretrained(self.export_dir)
             tok = getattr(getattr(self.trainer, "datamodule", None), "tokenizer", None)
             if tok is not None:
                 tok.save_pretrained(self.export_dir)
 
-    def _exportable(self) -> bool:
-        cfg = getattr(self.trainer.strategy, "config", None) or {}
-        return (cfg.get("zero_optimization") or {}).get("stage", 0) < 3  # ZeRO-3: convert the checkpoint first
+    def _gathered_state_dict(self) -> dict | None:
+        """The full weights on rank 0 when they are sharded (ZeRO-3 partitions, FSDP2 DTensors); None otherwise."""
+        if getattr(self.trainer.strategy, "zero_stage_3", False):
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None):
+                if self.trainer.global_rank == 0:
+                    return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+            return None
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(p, DTensor) for p in self.model.parameters()):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return None
 
     # --- optimisation ----------------------------------------------------------------------------
     def _named_trainable(self):
