@@ -76,3 +76,21 @@ def test_hici_clip_survives_deepspeed_zero(stage, tmp_path):
         torch.testing.assert_close(d, g, atol=1e-5, rtol=1e-3)
     if stage == 3:
         assert seen["p.grad_is_full"] is False  # what makes the DeepSpeed accessors necessary
+
+
+def test_long_context_eval_and_export_under_two_process_zero3(tmp_path, tiny_lm_dir):
+    """ZeRO-3 with 2 CPU processes: the long-context evaluation runs on every rank and the `full` export is gathered
+    from the partitions; its single-process figures equal the run's (see tests/test_hici_fsdp.py for FSDP2)."""
+    import json
+
+    from tests.test_hici import SMOKE, full_model_figures
+    from tests.test_strategies import STRATEGIES, run_py
+
+    run_dir = tmp_path / "zero3"
+    proc = run_py(["experiment=hici_tiny", *SMOKE, *STRATEGIES["deepspeed_zero3"], "trainer.max_steps=4",
+                   "trainer.val_check_interval=4", "logger=csv"], run_dir)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["status"] == "ok" and metrics["global_step"] == 4
+    want = full_model_figures(run_dir, SMOKE, "hici_tiny")
+    assert {k: metrics["results"][k] for k in want} == pytest.approx(want, rel=1e-4)
