@@ -225,6 +225,18 @@ def test_padding_inside_a_segment_does_not_reach_the_valid_tokens(mode):
     assert torch.isfinite(a).all()
 
 
+def test_token_validity_reads_every_mask_form():
+    from lightning_modules.hici.hici_attention import token_validity
+
+    pad = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]])
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    as_bool = (causal & pad.bool()[:, None, :])[:, None]  # what sdpa layers get
+    as_float = torch.zeros(2, 1, 5, 5).masked_fill(~as_bool, torch.finfo(torch.float32).min)  # eager
+    for mask in (pad, as_bool, as_float):
+        assert torch.equal(token_validity(mask, 5), pad.bool())
+    assert token_validity(None, 5) is None and token_validity(torch.ones(2, 5), 5) is None
+
+
 def test_training_loss_ignores_padding():
     """A padded batch's loss is the loss over its valid tokens only: equal to the unpadded twin's."""
     m = _module()

@@ -182,13 +182,16 @@ def segment_attention(q, k, v, prefix_k=None, prefix_v=None, prefix_valid=None, 
 
 
 def token_validity(attention_mask, n_tok: int):
-    """(B, N) bool of the non-padded tokens from the 4D mask transformers hands an attention layer (bool, or
-    additive float with 0 = attend), or None without padding. A token always sees itself unless it is padding, so
-    the mask's diagonal is exactly the padding mask."""
-    if attention_mask is None or attention_mask.dim() != 4:
+    """(B, N) bool of the non-padded tokens from the mask transformers hands an attention layer, or None without
+    padding: flash attention's 2D padding mask as it is; sdpa's / eager's 4D mask (bool, or additive float with
+    0 = attend) by its diagonal — a token always sees itself unless it is padding."""
+    if attention_mask is None:
         return None
-    diag = attention_mask[:, 0, -n_tok:, -n_tok:].diagonal(dim1=-2, dim2=-1)
-    valid = diag if diag.dtype == torch.bool else diag == 0
+    if attention_mask.dim() == 2:
+        valid = attention_mask[:, -n_tok:].bool()
+    else:
+        diag = attention_mask[:, 0, -n_tok:, -n_tok:].diagonal(dim1=-2, dim2=-1)
+        valid = diag if diag.dtype == torch.bool else diag == 0
     return None if bool(valid.all()) else valid
 
 
