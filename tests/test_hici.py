@@ -501,3 +501,23 @@ def test_passkey_mix_plants_answers_at_the_rate_asked(tiny_tokenizer):
     assert key.isdigit() and text.count(key) == 3  # planted twice, answered once after the question
     j = next(i for i in range(len(mix)) if not mix.is_passkey(i))
     assert torch.equal(mix[j]["input_ids"], base[j]["input_ids"])  # the rest are the packed LM blocks
+
+
+def test_sharded_perplexity_sums_to_the_whole_with_equal_forward_counts():
+    """What the distributed evaluation relies on: the shards' NLL and token sums add up to the unsharded figure, and
+    every rank makes the same number of forward passes (a rank that runs out scores a dummy batch)."""
+    from lightning_modules.common.evaluation import perplexity
+
+    model = tiny_model("llama")
+    tokens = torch.randint(0, 97, (200,), generator=torch.Generator().manual_seed(12))
+    whole = perplexity(model, tokens, 32, stride=8, batch_size=2)
+    calls = []
+    hook = model.register_forward_hook(lambda *a: calls.append(1))
+    parts = []
+    for rank in range(3):
+        calls.clear()
+        parts.append((perplexity(model, tokens, 32, stride=8, batch_size=2, shard=(rank, 3)), len(calls)))
+    hook.remove()
+    assert len({n for _, n in parts}) == 1  # equal forward counts
+    assert sum(p["tokens"] for p, _ in parts) == whole["tokens"] == 199
+    assert sum(p["nll"] for p, _ in parts) == pytest.approx(whole["nll"], rel=1e-12)
