@@ -106,6 +106,11 @@ def slot_statistics(slots: torch.Tensor, cumulative: bool, segment_valid: torch.
     return stats if cumulative else stats[:, -1]
 
 
+def is_partitioned(module: nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 has partitioned the module's parameters (each rank then holds an empty stand-in)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
 class GlobalIntegrator(nn.Module):
     """Multi-view statistics → shared compression → attention-based selection → gated expansion: (B, 5, H) → (B, K, H)."""
 
@@ -115,17 +120,22 @@ class GlobalIntegrator(nn.Module):
         self.compress = nn.Sequential(nn.Linear(hidden, compress_dim, bias=bias), nn.LayerNorm(compress_dim))
         self.expand = nn.Sequential(nn.Linear(compress_dim, expand_dim, bias=bias), nn.LayerNorm(expand_dim))
         self.queries = nn.Parameter(torch.empty(global_slots, expand_dim))
-        nn.init.xavier_uniform_(self.queries)  # until init_queries sees the token embeddings
         self.select = nn.MultiheadAttention(expand_dim, heads, bias=bias, batch_first=True)
-        for block in self.select.in_proj_weight.data.chunk(3):  # q, k, v each as its own (d, d) matrix
-            nn.init.xavier_uniform_(block)
-        nn.init.xavier_uniform_(self.select.out_proj.weight)
         self.out = nn.Linear(expand_dim, hidden, bias=bias)
-        nn.init.normal_(self.out.weight, std=0.02 / math.sqrt(expand_dim))
-        if bias:
-            nn.init.zeros_(self.out.bias)
         # shape (1,), not a 0-dim scalar: DeepSpeed cannot broadcast 0-dim parameters
         self.gate = nn.Parameter(torch.full((1,), inverse_softplus(gate_init)))
+        if not is_partitioned(self):  # built under DeepSpeed ZeRO-3: attach_hici initialises the gathered weights
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        nn.init.xavier_uniform_(self.queries)  # until init_queries sees the token embeddings
+        for block in self.select.in_proj_weight.chunk(3):  # q, k, v each as its own (d, d) matrix
+            nn.init.xavier_uniform_(block)
+        nn.init.xavier_uniform_(self.select.out_proj.weight)
+        nn.init.normal_(self.out.weight, std=0.02 / math.sqrt(self.out.in_features))
+        if self.out.bias is not None:
+            nn.init.zeros_(self.out.bias)
 
     @torch.no_grad()
     def init_queries(self, embeddings: torch.Tensor) -> None:

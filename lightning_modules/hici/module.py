@@ -34,6 +34,7 @@ adds 8.4M more. (With ``bias: true``: 389.5M, 5.78%.)
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from typing import Any, Mapping
@@ -45,7 +46,8 @@ from lightning_modules.common.attention import (attention_enabled, attention_mod
 from lightning_modules.common.backbone import build_backbone
 from lightning_modules.common.lm import CausalLMModule
 from lightning_modules.common.lora import apply_lora, merge_lora
-from lightning_modules.hici.hici_attention import QUERY_INITS, GlobalIntegrator, HiCICore, LocalConstructor
+from lightning_modules.hici.hici_attention import (QUERY_INITS, GlobalIntegrator, HiCICore, LocalConstructor,
+                                                   is_partitioned)
 from lightning_modules.hici.s2attn import LocalCore, S2Core
 
 ATTENTIONS = ("hici", "s2", "local", "full")
@@ -83,9 +85,23 @@ def attach_hici(model, cfg: Mapping[str, Any]) -> list:
                                                       cfg["bias"]).to(w.dtype)
             attn.global_integrator = GlobalIntegrator(hidden, cfg["global_slots"], cfg["compress_dim"], cfg["expand_dim"],
                                                       cfg["integrator_heads"], cfg["gate_init"], cfg["bias"]).to(w.dtype)
-        if cfg["global_query_init"] == "top_norm_tokens":
-            attn.global_integrator.init_queries(embeddings)
+        gi = attn.global_integrator
+        with gathered([*gi.parameters(), embeddings]):  # ZeRO-3 partitions at construction: init the full tensors
+            if is_partitioned(gi):
+                gi.reset_parameters()
+            if cfg["global_query_init"] == "top_norm_tokens":
+                gi.init_queries(embeddings)
     return layers
+
+
+def gathered(params):
+    """A context in which ZeRO-3-partitioned ``params`` are whole and may be written (rank 0's values are kept);
+    nothing to do otherwise."""
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
 
 
 def is_hici_param(name: str) -> bool:
