@@ -24,6 +24,8 @@ The recipe (spec ../shared/papers/hici.md, from the released ``fine-tune_hici.py
   ``ppl_stride``) on the validation stream and passkey retrieval at ``passkey_lengths`` (``passkey_samples`` each),
   scored from greedy generated tokens. Every rank evaluates its share of the windows and samples (the same number
   of forward passes on each, as sharded weights need) and the counts are summed over ranks.
+- ``export_dir``: where fit writes the ``full`` model (gathered from the shards under FSDP2; under ZeRO-3, convert
+  the checkpoint first and call ``full_model()``).
 - Padding: the attention mask is honoured in the slots, the statistics and the broadcast (``hici_attention``), and
   the loss ignores padded labels.
 
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import math
 from typing import Any, Mapping
 
@@ -49,6 +52,8 @@ from lightning_modules.common.lora import apply_lora, merge_lora
 from lightning_modules.hici.hici_attention import (QUERY_INITS, GlobalIntegrator, HiCICore, LocalConstructor,
                                                    is_partitioned)
 from lightning_modules.hici.s2attn import LocalCore, S2Core
+
+log = logging.getLogger(__name__)
 
 ATTENTIONS = ("hici", "s2", "local", "full")
 HICI_KEYS = ("local_constructor", "global_integrator")
@@ -261,7 +266,14 @@ class HiCILongContextLM(CausalLMModule):
     def on_fit_end(self):
         if not self.export_dir:
             return
-        state = self._gathered_state_dict()  # a collective under ZeRO-3 / FSDP2: every rank takes part
+        if getattr(self.trainer.strategy, "zero_stage_3", False):
+            # rebuilding an unsharded copy on rank 0 alone would re-enter ZeRO-3's collective construction
+            # (transformers sees the run's DeepSpeed config): convert the checkpoint, then call full_model()
+            if self.trainer.global_rank == 0:
+                log.warning("model.export_dir: not written under ZeRO-3; convert the checkpoint to fp32 "
+                            "(lightning.pytorch.utilities.deepspeed) and export with full_model()")
+            return
+        state = self._gathered_state_dict()  # a collective under FSDP2: every rank takes part
         if self.trainer.global_rank == 0:
             self.full_model(state).save_pretrained(self.export_dir)
             tok = getattr(getattr(self.trainer, "datamodule", None), "tokenizer", None)
@@ -269,14 +281,7 @@ class HiCILongContextLM(CausalLMModule):
                 tok.save_pretrained(self.export_dir)
 
     def _gathered_state_dict(self) -> dict | None:
-        """The full weights on rank 0 when they are sharded (ZeRO-3 partitions, FSDP2 DTensors); None otherwise."""
-        if getattr(self.trainer.strategy, "zero_stage_3", False):
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters(list(self.model.parameters()), modifier_rank=None):
-                if self.trainer.global_rank == 0:
-                    return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
-            return None
+        """The full weights on rank 0 when FSDP2 shards them (DTensors); None otherwise."""
         from torch.distributed.tensor import DTensor
 
         if any(isinstance(p, DTensor) for p in self.model.parameters()):
