@@ -85,8 +85,8 @@ def test_long_context_eval_on_every_rank_under_two_process_zero3(tmp_path, tiny_
 
     from hydra.utils import instantiate
     from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
-    from omegaconf import OmegaConf
 
+    from tests.helpers import compose
     from tests.test_hici import SMOKE, full_model_figures
     from tests.test_strategies import STRATEGIES, run_py
 
@@ -98,7 +98,7 @@ def test_long_context_eval_on_every_rank_under_two_process_zero3(tmp_path, tiny_
     assert metrics["status"] == "ok" and metrics["global_step"] == 4
     assert not (run_dir / "hf_full").exists()  # not exported under ZeRO-3 (a warning says how)
     convert_zero_checkpoint_to_fp32_state_dict(str(run_dir / "checkpoints" / "last.ckpt"), str(tmp_path / "fp32.ckpt"))
-    cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    cfg = compose("hici_tiny", list(SMOKE))  # the run's model and data (the strategy does not enter them)
     module = instantiate(cfg.model, _convert_="all")
     module.configure_model()
     module.load_state_dict(torch.load(tmp_path / "fp32.ckpt", map_location="cpu", weights_only=False)["state_dict"])
