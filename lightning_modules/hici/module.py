@@ -82,7 +82,8 @@ def attach_hici(model, cfg: Mapping[str, Any]) -> list:
     if cfg["global_query_init"] not in QUERY_INITS:
         raise ValueError(f"hici.global_query_init={cfg['global_query_init']!r}: choose one of {', '.join(QUERY_INITS)}")
     layers = attention_modules(model)
-    embeddings = model.get_input_embeddings().weight
+    top_norm = cfg["global_query_init"] == "top_norm_tokens"
+    embeddings = [model.get_input_embeddings().weight] if top_norm else []
     for attn in layers:
         hidden, w = attn.config.hidden_size, attn.q_proj.weight
         with torch.device(w.device):
@@ -91,11 +92,11 @@ def attach_hici(model, cfg: Mapping[str, Any]) -> list:
             attn.global_integrator = GlobalIntegrator(hidden, cfg["global_slots"], cfg["compress_dim"], cfg["expand_dim"],
                                                       cfg["integrator_heads"], cfg["gate_init"], cfg["bias"]).to(w.dtype)
         gi = attn.global_integrator
-        with gathered([*gi.parameters(), embeddings]):  # ZeRO-3 partitions at construction: init the full tensors
+        with gathered([*gi.parameters(), *embeddings]):  # ZeRO-3 partitions at construction: init the full tensors
             if is_partitioned(gi):
                 gi.reset_parameters()
-            if cfg["global_query_init"] == "top_norm_tokens":
-                gi.init_queries(embeddings)
+            if top_norm:
+                gi.init_queries(embeddings[0])
     return layers
 
 
