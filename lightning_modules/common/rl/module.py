@@ -22,7 +22,9 @@ test: greedy decoding on held-out prompts, ``val/accuracy`` (exact match). ``war
 from a cached supervised warm-up on the task format (``warmup.py``). Logged per step: reward, accuracy, response
 length, KL (to π_old, and to π_ref when beta > 0), clip fraction, tokens backpropagated vs full, max weight,
 gradient norm, rollout/update wall time; with ``measure_activations`` the bytes autograd saves per micro-batch.
-Under DeepSpeed the engine clips (its config) and ``max_grad_norm`` is not applied here.
+Under DeepSpeed ZeRO the gradients are partitioned, so the engine clips: :meth:`setup` writes ``max_grad_norm``
+into its config's ``gradient_clipping`` (Lightning would write ``trainer.gradient_clip_val``, which manual
+optimisation must leave null, i.e. no clipping at all).
 """
 from __future__ import annotations
 
@@ -123,6 +125,15 @@ class RLModule(CausalLMModule):
             self.tokenizer = dm.tokenizer
         return self.tokenizer
 
+    def setup(self, stage: str) -> None:
+        strategy = self.trainer.strategy
+        if "DeepSpeed" in type(strategy).__name__ and strategy.config is not None:  # before the engine is built
+            clip = float(self.max_grad_norm or 0.0)
+            if strategy.config.get("gradient_clipping", clip) != clip:
+                raise ValueError(f"the DeepSpeed config's gradient_clipping={strategy.config['gradient_clipping']} "
+                                 f"differs from model.max_grad_norm={self.max_grad_norm}: set only model.max_grad_norm")
+            strategy.config["gradient_clipping"] = clip
+
     def on_train_start(self):
         self.model.train()  # from_pretrained returns eval mode; generation switches modes itself
 
@@ -208,7 +219,7 @@ class RLModule(CausalLMModule):
     def _step(self) -> float:
         opt = self.optimizers()
         if "DeepSpeed" in type(self.trainer.strategy).__name__:
-            # ZeRO partitions gradients: the engine clips (its config's gradient_clipping) and steps
+            # ZeRO partitions gradients: the engine clips (gradient_clipping = max_grad_norm, see setup) and steps
             opt.step()
             opt.zero_grad(set_to_none=True)
             engine = self.trainer.strategy.model
