@@ -141,3 +141,79 @@ def test_verifiable_problems_are_correct_and_files_load(tmp_path, tiny_tokenizer
         VerifiableDataModule(tiny_tokenizer, task="gsm8k").setup()
     with pytest.raises(ValueError, match="data.task"):
         VerifiableDataModule(tiny_tokenizer, task="mmlu")
+
+
+def _tiny_reward_model(path, tok, num_labels=1):
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, num_labels=num_labels)
+    model = LlamaForSequenceClassification(cfg)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return model.eval()
+
+
+def test_reward_model_scores_each_text_by_its_last_token(tmp_path, tiny_tokenizer):
+    """Batched, right-padded scoring equals the head on the last hidden state of each text fed alone."""
+    from lightning_modules.common.rl.scorers import RewardModel
+
+    model = _tiny_reward_model(tmp_path / "rm", tiny_tokenizer)
+    prompts = ["Question: 1 + 2\nAnswer:", "Question: tell a story\nAnswer:", "Hi", "Question: 7 - 3\nAnswer:"]
+    completions = [" 3", " Once upon a time there was a long story", " hello there friend", " 4\n#### 4"]
+    rm = RewardModel(str(tmp_path / "rm"), batch_size=3, dtype="float32", chat_template=False)
+    got = rm(prompts, completions, ["3", "", "", "4"])
+    with torch.no_grad():
+        ref = torch.stack([model.score(model.model(tiny_tokenizer(p + c, return_tensors="pt").input_ids)
+                                       .last_hidden_state[0, -1])[0] for p, c in zip(prompts, completions)])
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+    assert got.std() > 0  # the texts are told apart
+
+    tiny_tokenizer.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    (tmp_path / "chat").mkdir()
+    _tiny_reward_model(tmp_path / "chat", tiny_tokenizer)
+    chat = RewardModel(str(tmp_path / "chat"), dtype="float32")
+    chat.load("cpu")
+    assert chat.texts(["q"], ["a"]) == (["<user>q<assistant>a"], True)
+
+    _tiny_reward_model(tmp_path / "two", tiny_tokenizer, num_labels=2)
+    with pytest.raises(ValueError, match="num_labels=1"):
+        RewardModel(str(tmp_path / "two"))(["q"], ["a"])
+    with pytest.raises(FileNotFoundError, match="model.reward.path"):
+        RewardModel(str(tmp_path / "missing"))(["q"], ["a"])
+
+
+def test_rl_module_scores_each_sample_with_its_own_prompt(tmp_path, tiny_tokenizer):
+    """The reward chosen by _target_ reaches the rollouts: the G samples of prompt i are scored against prompt i."""
+    from types import SimpleNamespace
+
+    from lightning_modules.common.rl.module import RLModule
+    from lightning_modules.common.rl.scorers import ExactMatch, RewardModel
+
+    _tiny_reward_model(tmp_path / "rm", tiny_tokenizer)
+    rm = RewardModel(str(tmp_path / "rm"), dtype="float32", chat_template=False)
+    module = RLModule(dict(family="llama", pretrained=None), group_size=2, reward=rm)
+    batch = {"prompt": ["A:", "B:"], "answer": ["", ""]}
+    ro = SimpleNamespace(group_size=2, completions=[" x", " y", " x", " y"], input_ids=torch.zeros(4, 1, dtype=torch.long))
+    got = module.score(ro, batch)
+    torch.testing.assert_close(got, rm(["A:", "A:", "B:", "B:"], ro.completions))
+    assert got[0] != got[2]  # same completion, other prompt
+    assert RLModule(dict(family="llama", pretrained=None)).reward == ExactMatch()
+    exact = RLModule(dict(family="llama", pretrained=None), group_size=2)
+    batch = {"prompt": ["1+1=", "2+2="], "answer": ["2", "4"]}
+    ro.completions = ["#### 2", "#### 3", "#### 2", "#### 4"]
+    assert exact.score(ro, batch).tolist() == [1.0, 0.0, 0.0, 1.0]
+
+
+def test_prompt_datamodule_reads_prompts_without_answers(tmp_path, tiny_tokenizer):
+    from datamodules.prompts import PromptDataModule
+
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt": f"p{i}", "chosen": "x"}) for i in range(5)) + "\n")
+    dm = PromptDataModule(tiny_tokenizer, files=str(f), n_val=2)
+    dm.setup()
+    assert [it["prompt"] for it in dm.train_set] == [f"Question: p{i}\nAnswer:" for i in range(5)]
+    assert len(dm.val_set) == 2 and all(it["answer"] == "" and it["prompt_ids"] for it in dm.train_set)
+    with pytest.raises(ValueError, match="data.files"):
+        PromptDataModule(tiny_tokenizer)

@@ -3,8 +3,9 @@
 One ``training_step`` = one batch of prompts:
 
 1. **rollout**: G samples per prompt from the current weights, which are the frozen old policy π_old of this
-   step (``generate_rollouts``; no gradient); exact-match rewards (``rewards.py``); group advantages
-   (``advantages.py``: ``grpo``, ``dr_grpo``, ``rloo``).
+   step (``generate_rollouts``; no gradient); rewards from ``reward`` (``scorers.py``, config group
+   ``model/reward``: exact match by default, a reward model for RLHF); group advantages (``advantages.py``:
+   ``grpo``, ``dr_grpo``, ``rloo``).
 2. **plan**: per PPO epoch, per trajectory, how many response tokens to backpropagate and the per-token weights
    (hook :meth:`token_weights`; here every token with weight 1 — PS-PPO overrides it). Log-probs of π_old
    (and π_ref when ``beta > 0``) are recorded once, no-grad, over the longest prefix any epoch needs.
@@ -18,8 +19,8 @@ One ``training_step`` = one batch of prompts:
    (``seq_mean`` | ``token_mean`` | ``dr_grpo``, divisors counting full untruncated tokens; ``losses.py``).
 
 ``trainer.max_steps`` counts optimizer steps (ppo_epochs · minibatches per batch of prompts). Validation and
-test: greedy decoding on held-out prompts, ``val/accuracy`` (exact match). ``warmup`` (a dict, optional) starts
-from a cached supervised warm-up on the task format (``warmup.py``). Logged per step: reward, accuracy, response
+test: greedy decoding on held-out prompts, the mean reward as ``val/<reward.metric>`` (``val/accuracy`` for exact
+match, ``val/reward`` for a reward model). ``warmup`` (a dict, optional) starts from a cached supervised warm-up on the task format (``warmup.py``). Logged per step: reward, accuracy, response
 length, KL (to π_old, and to π_ref when beta > 0), clip fraction, tokens backpropagated vs full, max weight,
 gradient norm, rollout/update wall time; with ``measure_activations`` the bytes autograd saves per micro-batch.
 Under DeepSpeed ZeRO the gradients are partitioned, so the engine clips: :meth:`setup` writes ``max_grad_norm``
@@ -37,7 +38,7 @@ import torch
 from lightning_modules.common.lm import CausalLMModule, _plain
 from lightning_modules.common.rl.advantages import compute_advantages
 from lightning_modules.common.rl.losses import AGGREGATIONS, divisors, k3_kl, policy_loss
-from lightning_modules.common.rl.rewards import exact_match_reward
+from lightning_modules.common.rl.scorers import ExactMatch
 from lightning_modules.common.rl.rollouts import (Rollouts, batched_logprobs, generate_rollouts, packed_logprobs,
                                                   response_logprobs)
 
@@ -80,8 +81,11 @@ class RLModule(CausalLMModule):
                  max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0, ppo_epochs: int = 1,
                  minibatches: int = 1, micro_batch_size: int = 8, eps_low: float = 0.2, eps_high: float = 0.2,
                  beta: float = 0.0, max_grad_norm: float | None = 1.0, warmup: Mapping[str, Any] | None = None,
-                 val_max_new_tokens: int | None = None, measure_activations: bool = False, packing: bool = False):
+                 val_max_new_tokens: int | None = None, measure_activations: bool = False, packing: bool = False,
+                 reward: Callable | None = None):
         super().__init__(backbone, optimizer, scheduler, weight_decay)
+        self.reward = reward if reward is not None else ExactMatch()
+        self.hparams["reward"] = repr(self.reward)  # the scorer object itself is not plain data
         self._curves: list[dict] = []    # per step, for the dashboard's plots at fit end
         self._samples: list[dict] = []   # a few greedy completions per evaluation, for its table
         if aggregation not in AGGREGATIONS:
@@ -143,15 +147,16 @@ class RLModule(CausalLMModule):
         return ro.lengths, ro.response_mask.clone()
 
     # --- one RL step -----------------------------------------------------------------------------
-    def score(self, ro: Rollouts, answers: list[str]) -> torch.Tensor:
-        golds = [a for a in answers for _ in range(ro.group_size)]
-        return torch.tensor([exact_match_reward(c, g) for c, g in zip(ro.completions, golds)], device=ro.input_ids.device)
+    def score(self, ro: Rollouts, batch) -> torch.Tensor:
+        prompts, golds = ([x for x in batch[k] for _ in range(ro.group_size)] for k in ("prompt", "answer"))
+        r = self.reward(prompts, ro.completions, golds, device=ro.input_ids.device)
+        return r.to(ro.input_ids.device, torch.float32)
 
     def rollout(self, batch) -> Rollouts:
         tok = self.get_tokenizer()
         ro = generate_rollouts(self.model, batch["prompt_ids"], self.group_size, self.max_new_tokens, tok.eos_token_id,
                                tok.pad_token_id, self.temperature, self.top_p, tokenizer=tok)
-        ro.rewards = self.score(ro, batch["answer"])
+        ro.rewards = self.score(ro, batch)
         ro.advantages = compute_advantages(self.advantage, ro.rewards, self.group_size)
         return ro
 
@@ -276,7 +281,7 @@ class RLModule(CausalLMModule):
         tok = self.get_tokenizer()
         ro = generate_rollouts(self.model, batch["prompt_ids"], 1, self.val_max_new_tokens, tok.eos_token_id,
                                tok.pad_token_id, temperature=0.0, tokenizer=tok)
-        r = self.score(ro, batch["answer"])
+        r = self.score(ro, batch)
         self._eval += torch.tensor([float(r.sum()), float(len(r))], dtype=torch.float64, device=self.device)
         self._samples += [{"prompt": tok.decode(p, skip_special_tokens=True), "completion": c, "answer": a, "reward": float(x)}
                           for p, c, a, x in zip(batch["prompt_ids"], ro.completions, batch["answer"], r)][:8 - len(self._samples)]
@@ -285,7 +290,7 @@ class RLModule(CausalLMModule):
         tot = self._eval
         if self.trainer.world_size > 1:
             tot = self.trainer.strategy.reduce(tot, reduce_op="sum")
-        self.log(f"{prefix}/accuracy", (tot[0] / tot[1].clamp_min(1)).float(), prog_bar=True, sync_dist=False)
+        self.log(f"{prefix}/{self.reward.metric}", (tot[0] / tot[1].clamp_min(1)).float(), prog_bar=True, sync_dist=False)
         from lightning_modules.common.dashboard import log_table
 
         log_table(f"{prefix}/completions", [{"step": self.global_step, **s} for s in self._samples], self.loggers)
