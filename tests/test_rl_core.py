@@ -157,6 +157,9 @@ def _tiny_reward_model(path, tok, num_labels=1):
 
 def test_reward_model_scores_each_text_by_its_last_token(tmp_path, tiny_tokenizer):
     """Batched, right-padded scoring equals the head on the last hidden state of each text fed alone."""
+    from types import SimpleNamespace
+
+    from lightning_modules.common.rl.module import RLModule
     from lightning_modules.common.rl.scorers import RewardModel
 
     model = _tiny_reward_model(tmp_path / "rm", tiny_tokenizer)
@@ -182,6 +185,10 @@ def test_reward_model_scores_each_text_by_its_last_token(tmp_path, tiny_tokenize
         RewardModel(str(tmp_path / "two"))(["q"], ["a"])
     with pytest.raises(FileNotFoundError, match="model.reward.path"):
         RewardModel(str(tmp_path / "missing"))(["q"], ["a"])
+    module = RLModule(dict(family="llama", pretrained=None), reward=RewardModel(str(tmp_path / "missing")))
+    module._trainer = SimpleNamespace(strategy=SimpleNamespace(config=None))
+    with pytest.raises(FileNotFoundError, match="model.reward.path"):  # at setup, before the policy is built
+        module.setup("fit")
 
 
 def test_rl_module_scores_each_sample_with_its_own_prompt(tmp_path, tiny_tokenizer):

@@ -130,6 +130,8 @@ class RLModule(CausalLMModule):
         return self.tokenizer
 
     def setup(self, stage: str) -> None:
+        if hasattr(self.reward, "check"):  # e.g. a missing reward model: fail before the policy is built
+            self.reward.check()
         strategy = self.trainer.strategy
         if "DeepSpeed" in type(strategy).__name__ and strategy.config is not None:  # before the engine is built
             clip = float(self.max_grad_norm or 0.0)

@@ -43,13 +43,16 @@ class RewardModel:
     _model: Any = field(default=None, init=False, repr=False, compare=False)
     _tok: Any = field(default=None, init=False, repr=False, compare=False)
 
-    def load(self, device) -> None:
+    def check(self) -> None:
         from pathlib import Path
-
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         if not Path(self.path).expanduser().is_dir():
             raise FileNotFoundError(f"model.reward.path={self.path} is not a directory: point it at a local reward model")
+
+    def load(self, device) -> None:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.check()
         tok = AutoTokenizer.from_pretrained(self.path)
         model = AutoModelForSequenceClassification.from_pretrained(self.path, dtype=getattr(torch, self.dtype))
         if model.config.num_labels != 1:
