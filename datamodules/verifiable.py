@@ -131,7 +131,7 @@ class VerifiableDataModule(L.LightningDataModule):
     def __init__(self, tokenizer, task: str = "arithmetic", files=None, val_files=None, test_files=None,
                  question_field: str | None = None, answer_field: str | None = None, digits: int = 2,
                  operations=("+", "-"), val_fraction: float = 0.2, test_fraction: float = 0.2, n_train: int = 20000,
-                 n_val: int = 64, n_test: int | None = 64, batch_size: int = 8, eval_batch_size: int = 32,
+                 n_val: int | None = 64, n_test: int | None = 64, batch_size: int = 8, eval_batch_size: int = 32,
                  max_prompt_tokens: int = 512, num_workers: int = 0, seed: int = 0):
         super().__init__()
         if task not in TASKS:
