@@ -160,7 +160,8 @@ class VerifiableDataModule(L.LightningDataModule):
         for s, files in own.items():
             if files:
                 out[s] = self.load(files)
-        return {s: ps if self.n[s] is None else ps[: self.n[s]] for s, ps in out.items()}
+        cap = {**self.n, "train": None}  # every training record; n_val / n_test cap the evaluations
+        return {s: ps if cap[s] is None else ps[: cap[s]] for s, ps in out.items()}
 
     def load(self, files) -> list[dict]:
         return load_problems(self.task, files, self.question_field, self.answer_field)
