@@ -161,7 +161,8 @@ def main(argv=None):
     from datamodules.text import TextDataModule
 
     dm = TextDataModule(tokenizer=corpus_tokenizer(2048), seq_len=args.seq_len, batch_size=args.batch)
-    train_tokens, val_tokens = dm.split_tokens()
+    tokens = dm.split_tokens()
+    train_tokens, val_tokens = tokens["train"], tokens["val"]
     val_batches = list(batches(val_tokens, args.seq_len, args.batch, args.val_batches, 7))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

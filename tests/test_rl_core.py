@@ -133,9 +133,9 @@ def test_verifiable_problems_are_correct_and_files_load(tmp_path, tiny_tokenizer
     m = tmp_path / "math.jsonl"
     m.write_text(json.dumps({"problem": "p", "solution": "so \\boxed{12}"}) + "\n")
     assert load_problems("math", str(m))[0]["answer"] == "12"
-    dm = VerifiableDataModule(tiny_tokenizer, task="gsm8k", files=str(f), n_val=2)
+    dm = VerifiableDataModule(tiny_tokenizer, task="gsm8k", files=str(f), val_files=str(f), test_files=str(f), n_val=2)
     dm.setup()
-    assert len(dm.train_set) == 4 and len(dm.val_set) == 2
+    assert len(dm.train_set) == 4 and len(dm.val_set) == 2 and len(dm.test_set) == 4
     assert dm.train_set[1]["prompt"].startswith("Question: q1") and dm.train_set[1]["prompt_ids"]
     with pytest.raises(ValueError, match="data.files"):
         VerifiableDataModule(tiny_tokenizer, task="gsm8k").setup()
@@ -216,11 +216,14 @@ def test_rl_module_scores_each_sample_with_its_own_prompt(tmp_path, tiny_tokeniz
 def test_prompt_datamodule_reads_prompts_without_answers(tmp_path, tiny_tokenizer):
     from datamodules.prompts import PromptDataModule
 
-    f = tmp_path / "prompts.jsonl"
-    f.write_text("\n".join(json.dumps({"prompt": f"p{i}", "chosen": "x"}) for i in range(5)) + "\n")
-    dm = PromptDataModule(tiny_tokenizer, files=str(f), n_val=2)
+    f, t = tmp_path / "prompts.jsonl", tmp_path / "test.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt": f"p{i}", "chosen": "x"}) for i in range(40)) + "\n")
+    t.write_text(json.dumps({"prompt": "held out"}) + "\n" + json.dumps({"prompt": " "}) + "\n")
+    dm = PromptDataModule(tiny_tokenizer, files=str(f), test_files=str(t), val_fraction=0.25, n_val=None)
     dm.setup()
-    assert [it["prompt"] for it in dm.train_set] == [f"Question: p{i}\nAnswer:" for i in range(5)]
-    assert len(dm.val_set) == 2 and all(it["answer"] == "" and it["prompt_ids"] for it in dm.train_set)
+    train, val = ({it["prompt"] for it in d} for d in (dm.train_set, dm.val_set))
+    assert train | val == {f"Question: p{i}\nAnswer:" for i in range(40)} and not train & val and val
+    assert [it["prompt"] for it in dm.test_set] == ["Question: held out\nAnswer:"]  # blank prompts dropped
+    assert all(it["answer"] == "" and it["prompt_ids"] for it in dm.train_set)
     with pytest.raises(ValueError, match="data.files"):
         PromptDataModule(tiny_tokenizer)

@@ -111,8 +111,14 @@ class RLModule(CausalLMModule):
             from lightning_modules.common.backbone import build_backbone
             from lightning_modules.common.rl.warmup import warmup_dir
 
-            return build_backbone({**self.backbone_spec, "pretrained": str(warmup_dir(self.backbone_spec, self.warmup))})
+            warmup = {**self.warmup, **self.held_out_fractions()}
+            return build_backbone({**self.backbone_spec, "pretrained": str(warmup_dir(self.backbone_spec, warmup))})
         return super().build_model()
+
+    def held_out_fractions(self) -> dict[str, float]:
+        """The data's val/test shares of the problem space, which the warm-up must not train on."""
+        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        return {k: float(getattr(dm, k)) for k in ("val_fraction", "test_fraction") if hasattr(dm, k)}
 
     def reference(self):
         if self.beta and self._ref is None:
