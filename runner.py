@@ -103,9 +103,14 @@ def _check_in_memory_tokens(cfg: DictConfig) -> None:
     data, limit, tr = cfg.get("data"), cfg.get("max_in_memory_tokens"), cfg.trainer
     if limit is None or "fit" not in str(cfg.get("task")) or not isinstance(data, DictConfig) or "_target_" not in data:
         return
-    steps = tr.get("max_steps")
-    if not isinstance(steps, int) or steps <= 0 or not isinstance(data.get("seq_len"), int):
-        return  # epoch-bounded: the corpus size decides, which the config cannot know
+    steps, seq_len, batch_size = tr.get("max_steps"), data.get("seq_len"), data.get("batch_size")
+    accumulate = tr.get("accumulate_grad_batches") or 1
+    if not all(isinstance(v, int) for v in (steps, seq_len, batch_size, accumulate)) or steps <= 0:
+        return  # epoch-bounded (the corpus decides, which the config cannot know), or a word _check_numbers names
+    try:
+        limit = float(limit)
+    except ValueError:
+        raise ConfigError(f"max_in_memory_tokens={limit!r}: a number of tokens (e.g. 1e9), or null for no limit") from None
     from hydra.utils import get_object
 
     from datamodules.shards import ShardDataModule
@@ -118,13 +123,13 @@ def _check_in_memory_tokens(cfg: DictConfig) -> None:
     if not (isinstance(cls, type) and issubclass(cls, TextDataModule)) or issubclass(cls, ShardDataModule):
         return
     # an unknown world size (devices=auto) counts as one rank: a lower bound
-    batch = int(data.batch_size) * max(_world_size(tr), 1) * int(tr.get("accumulate_grad_batches") or 1)
-    tokens = steps * batch * data.seq_len
-    if tokens > float(limit):
+    batch = batch_size * max(_world_size(tr), 1) * accumulate
+    tokens = steps * batch * seq_len
+    if tokens > limit:
         raise ConfigError(
             f"{data._target_.rsplit('.', 1)[-1]} holds all documents in memory on every rank, but this run trains on "
-            f"{tokens:.3g} tokens (max_steps {steps} x global batch {batch} x seq_len {data.seq_len}) > "
-            f"max_in_memory_tokens={float(limit):.3g}: use data=shards (build once: python -m datamodules.common.shards "
+            f"{tokens:.3g} tokens (max_steps {steps} x global batch {batch} x seq_len {seq_len}) > "
+            f"max_in_memory_tokens={limit:.3g}: use data=shards (build once: python -m datamodules.common.shards "
             f"--files '<glob>' --tokenizer <dir> --out <dir>; data.shard_dir=<dir>) or raise max_in_memory_tokens")
 
 
