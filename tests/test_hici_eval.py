@@ -204,3 +204,32 @@ def test_init_from_loads_a_trained_modules_weights(tmp_path):
         assert torch.equal(x, y), k
     with pytest.raises(ValueError, match="single-file"):
         HiCILongContextLM(spec, init_from=str(tmp_path))
+
+
+def test_sft_stage_starts_from_the_hici_run_and_scores_longbench_and_topics(tmp_path, tiny_lm_dir):
+    """The SFT arm end to end on tiny files: fit hici_tiny, then the SFT stage on LongAlpaca-style records from its
+    Lightning checkpoint (model.init_from), whose test loop runs LongBench and topic retrieval from local jsonl."""
+    from tests.helpers import run_experiment
+    from tests.test_hici import SMOKE
+
+    run_experiment("hici_tiny", tmp_path / "stage1", overrides=SMOKE)
+    ckpt = tmp_path / "stage1" / "checkpoints" / "last.ckpt"
+    recs = [{"instruction": f"Repeat the number {i}.", "output": f"{i}"} for i in range(60)]
+    (tmp_path / "la.json").write_text(json.dumps(recs))
+    lb, cfg = tmp_path / "lb", tmp_path / "cfg"
+    lb.mkdir(), cfg.mkdir()
+    write_jsonl(lb / "passage_count.jsonl", [{"context": "a b a", "input": "", "answers": ["2"], "all_classes": None}] * 2)
+    (cfg / "dataset2prompt.json").write_text(json.dumps({"passage_count": "{context} How many? {input}"}))
+    (cfg / "dataset2maxlen.json").write_text(json.dumps({"passage_count": 4}))
+    write_jsonl(tmp_path / "5_topics.jsonl", [{"prompt": "We talked about cats.", "topics": ["cats"]}])
+    value, metrics = run_experiment("hici_tiny", tmp_path / "sft", overrides=[
+        *SMOKE, "data=long_alpaca", f"data.files={tmp_path / 'la.json'}", "data.pad_multiple=16", "data.val_fraction=0.1",
+        f"model.init_from={ckpt}", "model.evaluation.ppl_lengths=[]", "model.evaluation.passkey_samples=0",
+        f"model.evaluation.longbench_dir={lb}", f"model.evaluation.longbench_config_dir={cfg}",
+        "model.evaluation.longbench_tasks=[passage_count]", f"model.evaluation.topics_files={tmp_path}/*_topics.jsonl"])
+    res = metrics["results"]
+    assert metrics["status"] == "ok" and math.isfinite(value)
+    assert 0 <= res["longbench/passage_count"] <= 100 and res["longbench/avg"] == res["longbench/passage_count"]
+    assert res["topics@5"] in (0.0, 1.0)
+    with pytest.raises(FileNotFoundError, match="init_from"):  # no stage-1 weights: refused before training
+        run_experiment("hici_tiny", tmp_path / "none", overrides=[*SMOKE, f"model.init_from={tmp_path / 'no.ckpt'}"])

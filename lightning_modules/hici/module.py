@@ -272,7 +272,7 @@ class HiCILongContextLM(CausalLMModule):
         self.model.eval()
         with self._eval_context():
             tokens = dm.eval_tokens() if cfg["ppl_lengths"] else None
-            if cfg["ppl_max_tokens"]:
+            if tokens is not None and cfg["ppl_max_tokens"]:
                 tokens = tokens[: cfg["ppl_max_tokens"]]
             for length in cfg["ppl_lengths"]:
                 if len(tokens) < 2 * length:
