@@ -233,3 +233,26 @@ def test_sft_stage_starts_from_the_hici_run_and_scores_longbench_and_topics(tmp_
     assert res["topics@5"] in (0.0, 1.0)
     with pytest.raises(FileNotFoundError, match="init_from"):  # no stage-1 weights: refused before training
         run_experiment("hici_tiny", tmp_path / "none", overrides=[*SMOKE, f"model.init_from={tmp_path / 'no.ckpt'}"])
+
+
+def test_13b_runs_carry_the_release_widths_and_build_on_meta():
+    """13B: 40 bottleneck heads (README table), bottleneck/expander 640 = hidden/8 and compressor 160 = hidden/32
+    (the 7B's 512 and 128 scaled), in every 13B experiment; the modules build (40 heads divide 640)."""
+    from omegaconf import OmegaConf
+
+    from lightning_modules.common.backbone import build_backbone, count_parameters
+    from lightning_modules.hici.module import attach_hici
+    from tests.helpers import compose
+    from tests.test_hici import spec_params_per_layer
+
+    for name in ("hici_llama13b", "hici_llama13b_16k", "hici_llama13b_topics"):
+        cfg = compose(name)
+        h = OmegaConf.to_container(cfg.model.hici, resolve=True)
+        assert (cfg.backbone.config.hidden_size, h["heads"], h["bottleneck_dim"], h["expand_dim"], h["compress_dim"]) == (
+            5120, 40, 640, 640, 160), name
+    model = build_backbone(OmegaConf.to_container(cfg.backbone, resolve=True), meta=True)
+    base = count_parameters(model)
+    attach_hici(model, h)
+    local, glob = spec_params_per_layer(5120, db=640, c=160, d=640)
+    assert count_parameters(model) - base == 40 * (local + glob)
+    assert model.model.layers[0].self_attn.local_constructor.dh == 16

@@ -21,9 +21,15 @@ The recipe (spec ../shared/papers/hici.md, from the released ``fine-tune_hici.py
 - ``eval_mode``: ``full`` (how the paper measures perplexity: HiCI modules dropped, LoRA merged, plain attention;
   ``full_model()`` returns that plain transformers model) | ``hici`` (modules kept for prefill).
 - ``evaluation``: the test loop's long-context suite: sliding-window perplexity at ``ppl_lengths`` (stride
-  ``ppl_stride``) on the validation stream and passkey retrieval at ``passkey_lengths`` (``passkey_samples`` each),
-  scored from greedy generated tokens. Every rank evaluates its share of the windows and samples (the same number
-  of forward passes on each, as sharded weights need) and the counts are summed over ranks.
+  ``ppl_stride``) on the datamodule's evaluation stream (``data.test_files``: PG-19 test / Proof-pile, else the
+  held-out split), ``ppl_protocol`` ``once`` (every token scored once) or ``release`` (the release's
+  eval_distributed_hici.py: a window every ``ppl_stride`` tokens, each fully scored); passkey retrieval at
+  ``passkey_lengths`` plus every ``passkey_interval`` tokens up to ``passkey_max_length`` (``passkey_samples``
+  each), scored from greedy generated tokens; LongBench v1 (``longbench_*``, ``lightning_modules.hici.longbench``)
+  and LongEval topic retrieval (``topics_*``, ``lightning_modules.hici.topics``) from local jsonl. Every rank
+  evaluates its share of the windows and samples (the same number of forward passes on each, as sharded weights
+  need) and the counts are summed over ranks.
+- ``init_from``: a single-file checkpoint of this module to start from (the SFT stage starts from the HiCI run's).
 - ``export_dir``: where fit writes the ``full`` model (gathered from the shards under FSDP2; under ZeRO-3, convert
   the checkpoint first and call ``full_model()``).
 - Padding: the attention mask is honoured in the slots, the statistics and the broadcast (``hici_attention``), and
