@@ -30,8 +30,7 @@ The recipe (spec ../shared/papers/hici.md, from the released ``fine-tune_hici.py
   evaluates its share of the windows and samples (the same number of forward passes on each, as sharded weights
   need) and the counts are summed over ranks.
 - ``init_from``: a single-file checkpoint of this module to start from (the SFT stage starts from the HiCI run's).
-- ``export_dir``: where fit writes the ``full`` model (gathered from the shards under FSDP2; under ZeRO-3, convert
-  the checkpoint first and call ``full_model()``).
+- ``export_dir``: where fit writes the ``full`` model (gathered from the shards under FSDP2 and ZeRO-3).
 - Padding: the attention mask is honoured in the slots, the statistics and the broadcast (``hici_attention``), and
   the loss ignores padded labels.
 
@@ -341,29 +340,34 @@ class HiCILongContextLM(CausalLMModule):
     def on_fit_end(self):
         if not self.export_dir:
             return
-        if getattr(self.trainer.strategy, "zero_stage_3", False):
-            # rebuilding an unsharded copy on rank 0 alone would re-enter ZeRO-3's collective construction
-            # (transformers sees the run's DeepSpeed config): convert the checkpoint, then call full_model()
-            if self.trainer.global_rank == 0:
-                log.warning("model.export_dir: not written under ZeRO-3; convert the checkpoint to fp32 "
-                            "(lightning.pytorch.utilities.deepspeed) and export with full_model()")
-            return
-        state = self._gathered_state_dict()  # a collective under FSDP2: every rank takes part
+        state = self._gathered_state_dict()  # a collective under FSDP2 / ZeRO-3: every rank takes part
         if self.trainer.global_rank == 0:
-            self.full_model(state).save_pretrained(self.export_dir)
+            with transformers_zero3_off():  # the unsharded copy is built on rank 0 alone, not partitioned
+                self.full_model(state).save_pretrained(self.export_dir)
             tok = getattr(getattr(self.trainer, "datamodule", None), "tokenizer", None)
             if tok is not None:
                 tok.save_pretrained(self.export_dir)
 
     def _gathered_state_dict(self) -> dict | None:
-        """The full weights on rank 0 when FSDP2 shards them (DTensors); None otherwise."""
+        """The full weights on rank 0 (None elsewhere) when FSDP2 (DTensors) or ZeRO-3 (partitioned parameters,
+        gathered one at a time so no rank holds more than one whole tensor on the device) shards them; None when
+        nothing is sharded."""
         from torch.distributed.tensor import DTensor
 
         if any(isinstance(p, DTensor) for p in self.model.parameters()):
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return None
+        if not is_partitioned(self.model):
+            return None
+        import deepspeed
+
+        rank0, out = self.trainer.global_rank == 0, {}
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            with deepspeed.zero.GatheredParameters([t]) if hasattr(t, "ds_id") else contextlib.nullcontext():
+                if rank0:
+                    out[name] = t.detach().cpu().clone()
+        return out if rank0 else None
 
     # --- optimisation ----------------------------------------------------------------------------
     def _named_trainable(self):
@@ -392,6 +396,21 @@ class HiCILongContextLM(CausalLMModule):
             counts["params/hici"] = sum(p.numel() for n, p in self.model.named_parameters() if is_hici_param(n))
             counts["params/lora"] = sum(p.numel() for n, p in self.model.named_parameters() if "lora_" in n)
         return counts
+
+
+@contextlib.contextmanager
+def transformers_zero3_off():
+    """transformers builds models unpartitioned inside (the run's HfDeepSpeedConfig is restored after)."""
+    from transformers.integrations import deepspeed as hf_ds
+
+    ref = hf_ds._hf_deepspeed_config_weak_ref
+    config = ref() if ref is not None else None
+    hf_ds.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if config is not None:
+            hf_ds.set_hf_deepspeed_config(config)
 
 
 def passkey_grid(cfg: Mapping) -> list[int]:
