@@ -45,6 +45,7 @@ import contextlib
 import copy
 import logging
 import math
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -182,6 +183,9 @@ class HiCILongContextLM(CausalLMModule):
         return None
 
     def build_model(self):
+        if self.init_from and not Path(self.init_from).is_file():  # before loading billions of weights
+            raise FileNotFoundError(f"model.init_from={self.init_from} does not exist: train the HiCI stage first (and "
+                                    "convert its DeepSpeed checkpoint to one file)")
         model = build_backbone(self.backbone_spec)
         original = self.rope_cfg["original_length"] or model.config.max_position_embeddings
         factor = rope_factor(self.rope_cfg["target_length"], original)
@@ -444,11 +448,6 @@ def release_perplexity(model, tokens: torch.Tensor, length: int, stride: int, sh
 def load_weights(model, path: str) -> None:
     """Start from a trained run's weights (the SFT stage from the HiCI checkpoint): a Lightning .ckpt of this module
     (``state_dict`` keys under ``model.``) or a plain state dict of the same model; every key must match."""
-    from pathlib import Path
-
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"model.init_from={path} does not exist: train the HiCI stage first (or convert its "
-                                "DeepSpeed checkpoint to one file)")
     state = torch.load(path, map_location="cpu", weights_only=False)
     state = state.get("state_dict", state)
     state = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state.items()}
