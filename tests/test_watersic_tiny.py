@@ -166,3 +166,15 @@ def test_default_quantizers_and_the_removed_method_key(tmp_path):
         instantiate(cfg.model, _convert_="all")
     cause = info.value.__cause__ or info.value  # Hydra wraps errors raised in a constructor
     assert isinstance(cause, ValueError) and str(cause) == "model.method=rtn is gone: choose the quantizer with model/quantizer=rtn"
+
+
+def test_old_method_key_fails_on_the_command_line_with_one_line():
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    out = subprocess.run([sys.executable, "run.py", "experiment=gptq_tiny", "model.method=rtn"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "model/quantizer=" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
