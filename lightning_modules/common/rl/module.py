@@ -21,8 +21,9 @@ One ``training_step`` = one batch of prompts:
 ``trainer.max_steps`` counts optimizer steps (ppo_epochs · minibatches per batch of prompts). Validation and
 test: greedy decoding on held-out prompts, the mean reward as ``val/<reward.metric>`` (``val/accuracy`` for exact
 match, ``val/reward`` for a reward model). ``warmup`` (a dict, optional) starts from a cached supervised warm-up
-on the task format (``warmup.py``). Logged per step: reward, accuracy, response length, KL (to π_old, and to π_ref when beta > 0), clip fraction, tokens backpropagated vs full, max weight,
-gradient norm, rollout/update wall time; with ``measure_activations`` the bytes autograd saves per micro-batch.
+on the task format (``warmup.py``). Logged per step: reward, accuracy, response length, KL (to π_old, and to
+π_ref when beta > 0), clip fraction, tokens backpropagated vs full, max weight, gradient norm, rollout/update wall
+time; with ``measure_activations`` the bytes autograd saves per micro-batch.
 Under DeepSpeed ZeRO the gradients are partitioned, so the engine clips: :meth:`setup` writes ``max_grad_norm``
 into its config's ``gradient_clipping`` (Lightning would write ``trainer.gradient_clip_val``, which manual
 optimisation must leave null, i.e. no clipping at all).
