@@ -176,16 +176,23 @@ def _entry(name: str) -> TinyModel:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) < 1 or argv[0] not in ("build", "key", "list"):
-        raise SystemExit("usage: python -m datamodules.common.tiny_models {build|key} [name ...] | list")
-    names = argv[1:] or list(TINY_MODELS)
-    for name in names:
-        if argv[0] == "build":
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m datamodules.common.tiny_models",
+                                description="Build, key or list the cached tiny pretrained models.")
+    p.add_argument("command", choices=("build", "key", "list"))
+    p.add_argument("names", nargs="*", help=f"tiny models (default: all of {', '.join(TINY_MODELS)})")
+    args = p.parse_args(argv)
+    unknown = [n for n in args.names if n not in TINY_MODELS]
+    if unknown:
+        p.error(f"no tiny model {', '.join(unknown)}: choose from {', '.join(TINY_MODELS)}")
+    for name in args.names or list(TINY_MODELS):
+        if args.command == "build":
             print(build(name))
-        elif argv[0] == "key":
+        elif args.command == "key":
             print(name, key(name))
         else:
-            print(name, TINY_MODELS[name].experiment, model_dir(name))
+            print(name, _entry(name).experiment, model_dir(name))
 
 
 if __name__ == "__main__":
