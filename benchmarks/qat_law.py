@@ -25,7 +25,7 @@ from benchmarks.schema import ROOT, Claim, mean_se, run_benchmark, verdict_at_le
 
 RESULTS = ROOT / "sweeps" / "results"
 SEEDED, SINGLE = RESULTS / "qat_law_tiny_seeds.csv", RESULTS / "qat_law_tiny.csv"
-SWEEP = "experiment=qat_law_tiny +sweep=qat_law_tiny_seeds"  # 36 jobs: 3 N × 4 D × 3 seeds
+SWEEP = "experiment=qat_law_tiny +sweep=qat_law_tiny_seeds"  # 24 jobs: 2 N × 4 D × 3 seeds
 LAW = "δ_W4A4 = k·D^γ_D·(log₂G)^γ_G/N^γ_N"
 
 
@@ -99,18 +99,23 @@ def main(argv=None):
         m = df[df["variant"] == a].merge(df[df["variant"] == b], on=["N", "D", "seed"], suffixes=("_a", "_b"))
         return m.assign(delta=fn(m["delta_a"], m["delta_b"]), group_size=m["group_size_a"])
 
+    g = int(df[df["precision"] == "w4a16"]["group_size"].mode().iloc[0])  # the decomposition's G (64 or 128)
+    out["decomposition_G"] = g
     # weight error rises faster with D than activation error: the D-slope of (δ_W4A16 − δ_W16A4)
-    wa = paired("w4a16_g64", "w16a4_g64", lambda w, a: w - a)
+    wa = paired(f"w4a16_g{g}", f"w16a4_g{g}", lambda w, a: w - a)
     out["slope_D_weight_minus_act"] = bootstrap(
         wa, lambda c: np.polyfit(np.log(c["D"]), c["delta"], 1)[0] if c["D"].nunique() > 1 else 0.0,
         args.bootstrap, args.seed)
     # FC2 activations the bottleneck: keeping them at 8 bits lowers the W4A4 error (paired, same cell)
-    fc2 = paired("w4a4_g64", "w4a4_fc2a8_g64", lambda full, mixed: full - mixed)
+    fc2 = paired(f"w4a4_g{g}", f"w4a4_fc2a8_g{g}", lambda full, mixed: full - mixed)
     m, se, k = mean_se(fc2["delta"])
-    out["fc2a8_gain"] = (m, se, k, "paired cells (G = 64)")
+    out["fc2a8_gain"] = (m, se, k, f"paired cells (G = {g})")
     out["fc2a8_wins"] = int((fc2["delta"] > 0).sum())
     for key, val in out.items():
-        print(f"{key}: {val}")
+        if key not in ("law", "delta_cells"):
+            print(f"{key}: {val}")
+    for c in out.get("delta_cells", []):  # δ per W4A4 cell: mean ± SE over seeds
+        print(f"  N={c['N']:.0f} D={c['D']:.0f} G={c['G']:.0f}: δ = {c['delta']:+.4f} ± {c['se']:.4f} ({c['n']} seeds)")
     return out
 
 
@@ -141,9 +146,9 @@ def claims(res, argv):
                                     *s(f"slope_{name}"), sign=sign))
     found += [
         sign_claim("weight_error_faster_in_D", "weight quantization error increases more rapidly with more training tokens",
-                   "∂(δ_W4A16 − δ_W16A4)/∂ln D at G = 64", *s("slope_D_weight_minus_act"), sign=+1),
+                   f"∂(δ_W4A16 − δ_W16A4)/∂ln D at G = {res['decomposition_G']}", *s("slope_D_weight_minus_act"), sign=+1),
         sign_claim("fc2_activation_bottleneck", "the activation quantization error in the FC2 layer, caused by outliers, "
-                   "is the primary bottleneck", "δ_W4A4 − δ_W4A4-FC2A8 at G = 64 (mean over paired cells)",
+                   "is the primary bottleneck", f"δ_W4A4 − δ_W4A4-FC2A8 at G = {res['decomposition_G']} (mean over paired cells)",
                    *s("fc2a8_gain"), sign=+1),
     ]
     fig = Path(res["table"]).with_suffix(".png")

@@ -186,7 +186,7 @@ def test_bootstrap_over_seeds_recovers_signs_and_covers_the_planted_exponents():
     from sweeps.fit import bootstrap_fit, sign_verdict
 
     planted = {"gamma_D": 0.3, "gamma_G": 0.8, "gamma_N": 0.6}
-    res = bootstrap_fit("qat_delta", planted_seeds(), n_boot=200, level=0.9)
+    res = bootstrap_fit("qat_delta", planted_seeds(), n_boot=100, level=0.9)
     assert res["replicates"] == 3 and res["n_cells"] == 36 and res["failed"] == 0
     for p, true in planted.items():
         b = res["params"][p]
@@ -194,15 +194,16 @@ def test_bootstrap_over_seeds_recovers_signs_and_covers_the_planted_exponents():
         assert sign_verdict(b["lo"], b["hi"], +1) == "held", (p, b)  # and excludes 0 on the paper's side
         assert 0 < b["se"] < 0.3
     # a flat D (γ_D = 0): its interval straddles 0, so the sign is not claimed
-    flat = bootstrap_fit("qat_delta", planted_seeds(gD=0.0, rng_seed=1), n_boot=200)["params"]["gamma_D"]
+    flat = bootstrap_fit("qat_delta", planted_seeds(gD=0.0, rng_seed=1), n_boot=40)["params"]["gamma_D"]
     assert sign_verdict(flat["lo"], flat["hi"], +1) == "inconclusive"
     # a planted opposite sign is reported as such
-    neg = bootstrap_fit("qat_delta", planted_seeds(gN=-0.6, rng_seed=2), n_boot=200)["params"]["gamma_N"]
+    neg = bootstrap_fit("qat_delta", planted_seeds(gN=-0.6, rng_seed=2), n_boot=40)["params"]["gamma_N"]
     assert sign_verdict(neg["lo"], neg["hi"], +1) == "not_held"
     with pytest.raises(ValueError, match="several seeds"):
         bootstrap_fit("qat_delta", planted_seeds(seeds=1), n_boot=10)
 
 
+@pytest.mark.slow
 def test_bootstrap_coverage_of_the_90_percent_interval_is_near_nominal():
     """Over independent planted tables the interval covers γ_N in roughly 90% of them (not 50%, not always)."""
     from sweeps.fit import bootstrap_fit
@@ -219,7 +220,7 @@ def test_fit_cli_bootstrap_reports_intervals_and_verdicts(tmp_path):
     df = planted_seeds().rename(columns={"G": "group_size"})
     df["precision"], df["loss"] = "w4a4", 3.0
     df.to_csv(tmp_path / "t.csv", index=False)
-    assert main([str(tmp_path / "t.csv"), "--bootstrap", "100", "--out", str(tmp_path / "out")]) == 0
+    assert main([str(tmp_path / "t.csv"), "--bootstrap", "40", "--out", str(tmp_path / "out")]) == 0
     rep = json.loads((tmp_path / "out_fit.json").read_text())
     assert rep["claims"] == {"dδ/dN < 0": "held", "dδ/dD > 0": "held", "dδ/dG > 0": "held"}
     b = rep["bootstrap"]["w4a4"]["params"]["gamma_G"]
