@@ -186,11 +186,13 @@ def test_bootstrap_over_seeds_recovers_signs_and_covers_the_planted_exponents():
     from sweeps.fit import bootstrap_fit, sign_verdict
 
     planted = {"gamma_D": 0.3, "gamma_G": 0.8, "gamma_N": 0.6}
-    res = bootstrap_fit("qat_delta", planted_seeds(), n_boot=100, level=0.9)
+    # one realisation: a 90% interval misses 1 time in 10 by design, so here the (nested, wider) 99% interval must
+    # cover the planted value and still exclude 0; the 90% coverage rate itself is the slow test below
+    res = bootstrap_fit("qat_delta", planted_seeds(), n_boot=100, level=0.99)
     assert res["replicates"] == 3 and res["n_cells"] == 36 and res["failed"] == 0
     for p, true in planted.items():
         b = res["params"][p]
-        assert b["lo"] < true < b["hi"], (p, b)                    # the 90% interval covers the planted exponent
+        assert b["lo"] < true < b["hi"], (p, b)                    # covers the planted exponent
         assert sign_verdict(b["lo"], b["hi"], +1) == "held", (p, b)  # and excludes 0 on the paper's side
         assert 0 < b["se"] < 0.3
     # a flat D (γ_D = 0): its interval straddles 0, so the sign is not claimed
