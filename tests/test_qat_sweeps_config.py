@@ -59,6 +59,16 @@ def test_every_paper_grid_job_keeps_its_own_experiments_lr_and_tokens():
     assert tokens == [10, 20, 50, 100, 200]
 
 
+def test_the_launching_config_asks_the_launcher_for_the_jobs_gpus():
+    """``python run.py -m +sweep=qat_law_paper launcher=slurm`` composes the default experiment, and submitit's
+    resources resolve from it: the sweep itself must carry the jobs' 8 GPUs × 1 node."""
+    for sweep, exp in (("qat_law_paper", "qat_law_llama_74m"), ("qat_law_paper_validation", "qat_law_llama_973m")):
+        launching = compose("lm_tiny", [f"+sweep={sweep}", "launcher=slurm"])
+        job = compose(exp, [f"+sweep={sweep}"])
+        assert launching.hydra.launcher.gpus_per_node == job.trainer.devices == 8
+        assert launching.hydra.launcher.nodes == job.trainer.num_nodes == 1
+
+
 def test_every_group_size_of_the_grid_divides_every_paper_backbone_linear():
     for n in ("74m", "145m", "297m", "595m", "973m"):
         c = OmegaConf.load(CONF / "backbone" / f"llama_qat_{n}.yaml").config
