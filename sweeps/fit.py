@@ -15,6 +15,10 @@ CLI (collects multirun dirs or reads a CSV; writes <out>.csv, <out>_fit.json, <o
     python -m sweeps.fit logs/multirun/qat_law_tiny logs/multirun/qat_law_tiny_decomp --law qat_delta \\
         --out sweeps/results/qat_law_tiny
     python -m sweeps.fit table.csv --law chinchilla --where precision=fp
+    python -m sweeps.fit logs/multirun/qat_law_tiny_seeds --bootstrap 1000 --out sweeps/results/qat_law_tiny_seeds
+
+``--bootstrap B`` (several seeds per cell): the law is fitted to the cell means over seeds and refitted on B
+resamples of each cell's seeds; every exponent gets a bootstrap SE and a 90% percentile interval (``--level``).
 """
 from __future__ import annotations
 
@@ -145,7 +149,7 @@ def heldout_corner(df: pd.DataFrame, inputs=("N", "D")) -> np.ndarray:
 
 
 def fit_law(law: Law | str, df: pd.DataFrame, huber_delta: float | None = None, holdout: np.ndarray | str | None = "corner",
-            top_k: int = 8) -> FitResult:
+            top_k: int = 8, init: np.ndarray | None = None) -> FitResult:
     law = get_law(law) if isinstance(law, str) else law
     missing = [c for c in (*law.inputs, law.target) if c not in df]
     if missing:
@@ -173,7 +177,12 @@ def fit_law(law: Law | str, df: pd.DataFrame, huber_delta: float | None = None, 
     frozen = law.frozen(Xn)
     free = np.array([p not in frozen for p in law.params])
     lin = law.linear_init(Xn, y)
-    starts = np.array(law.init_grid() + ([] if lin is None else [lin]), dtype=np.float64)
+    extra = ([] if lin is None else [np.asarray(lin, dtype=np.float64)]) + \
+        ([] if init is None else [np.asarray(init, dtype=np.float64)])
+    if init is not None and top_k == 0:  # a warm start (bootstrap refits): from init (and the OLS start) only
+        starts, top_k = np.array(extra), len(extra)
+    else:
+        starts = np.array([np.asarray(g, dtype=np.float64) for g in law.init_grid()] + extra)
     for p, v in frozen.items():
         starts[:, law.params.index(p)] = v
     thetas, objectives = _lbfgs_all(law, X, logy, starts, free, delta)
@@ -200,16 +209,79 @@ def fit_law(law: Law | str, df: pd.DataFrame, huber_delta: float | None = None, 
     return result
 
 
+# --- uncertainty: cell means over seeds and the bootstrap --------------------------------------------------
+def cell_means(df: pd.DataFrame, law: Law | str, by: str = "seed", keys: tuple[str, ...] = ()) -> pd.DataFrame:
+    """One row per cell (the law's inputs + ``keys``): the target's mean over the ``by`` replicates, its standard
+    error (NaN with one replicate) and the replicate count."""
+    law = get_law(law) if isinstance(law, str) else law
+    cols = [*law.inputs, *keys]
+    g = df.dropna(subset=[law.target]).groupby(cols)[law.target]
+    out = g.agg(["mean", "std", "count"]).reset_index()
+    return out.rename(columns={"mean": law.target}).assign(
+        se=lambda t: t["std"] / np.sqrt(t["count"]), n=lambda t: t["count"]).drop(columns=["std", "count"])
+
+
+def bootstrap_fit(law: Law | str, df: pd.DataFrame, n_boot: int = 1000, by: str = "seed", level: float = 0.9,
+                  seed: int = 0, huber_delta: float | None = None, keys: tuple[str, ...] = ()) -> dict:
+    """Fit the law to the cell means over ``by`` replicates, then refit ``n_boot`` times with each cell's replicates
+    resampled with replacement (a stratified bootstrap over seeds: every cell keeps its count). Per parameter: the
+    estimate, the bootstrap SE and the ``level`` percentile interval. Resamples whose fit fails are counted."""
+    law = get_law(law) if isinstance(law, str) else law
+    if by not in df:
+        raise ValueError(f"bootstrap over {by!r}: the table has no such column (choose the replicate column, e.g. seed)")
+    df = df.dropna(subset=[law.target]).reset_index(drop=True)
+    cells = [c.index.to_numpy() for _, c in df.groupby([*law.inputs, *keys])]
+    if max(len(c) for c in cells) < 2:
+        raise ValueError(f"bootstrap over {by!r}: every cell has one replicate; run the sweep with several seeds")
+    fit = lambda d, **kw: fit_law(law, cell_means(d, law, by, keys), huber_delta, holdout=None, **kw)
+    full = fit(df)
+    rng = np.random.default_rng(seed)
+    thetas, failed = [], 0
+    for _ in range(n_boot):
+        idx = np.concatenate([rng.choice(c, size=len(c)) for c in cells])
+        try:  # start from the full fit (and the law's closed form): the resample is a small perturbation
+            thetas.append(fit(df.iloc[idx], top_k=0, init=np.asarray(full.theta)).theta)
+        except ValueError:
+            failed += 1
+    thetas = np.asarray(thetas)
+    a = (1.0 - level) / 2.0
+    params = {p: {"estimate": full.theta[i], "se": float(thetas[:, i].std(ddof=1)),
+                  "lo": float(np.quantile(thetas[:, i], a)), "hi": float(np.quantile(thetas[:, i], 1.0 - a))}
+              for i, p in enumerate(law.params) if p not in full.frozen}
+    return {"by": by, "level": level, "n_boot": n_boot, "failed": failed, "n_cells": len(cells),
+            "replicates": int(df[by].nunique()), "fit": asdict(full), "params": params}
+
+
+def sign_verdict(lo: float, hi: float, sign: int) -> str:
+    """held: the interval excludes 0 on the expected side; not_held: on the other; inconclusive: it contains 0."""
+    if lo > 0 or hi < 0:
+        return "held" if (lo > 0) == (sign > 0) else "not_held"
+    return "inconclusive"
+
+
 # --- the QAT-law report ------------------------------------------------------------------------------------
-def qat_report(table: pd.DataFrame, huber_delta: float | None = None) -> dict:
-    """δ fits per precision, the Chinchilla fit of the full-precision rows, and the paper's sign claims."""
-    out: dict = {"fits": {}, "skipped": {}, "claims": {}}
+# the paper's signs of the δ law's exponents: δ = k·D^γ_D·(log₂G)^γ_G / N^γ_N with every γ > 0
+QAT_SIGNS = (("dδ/dN < 0", "gamma_N", 1), ("dδ/dD > 0", "gamma_D", 1), ("dδ/dG > 0", "gamma_G", 1))
+
+
+def qat_report(table: pd.DataFrame, huber_delta: float | None = None, n_boot: int = 0, by: str = "seed",
+               level: float = 0.9) -> dict:
+    """δ fits per precision, the Chinchilla fit of the full-precision rows, and the paper's sign claims; with
+    ``n_boot`` > 0 and several ``by`` replicates, each δ law is also bootstrapped over them (``bootstrap_fit``) and
+    the signs are judged by their ``level`` intervals."""
+    out: dict = {"fits": {}, "skipped": {}, "claims": {}, "bootstrap": {}}
     rows = table[table["precision"] != "fp"]
     for prec, sub in rows.groupby("precision"):
+        sub = sub.rename(columns={"group_size": "G"})
         try:
-            out["fits"][prec] = asdict(fit_law("qat_delta", sub.rename(columns={"group_size": "G"}), huber_delta))
+            out["fits"][prec] = asdict(fit_law("qat_delta", sub, huber_delta))
         except ValueError as err:
             out["skipped"][prec] = str(err)
+        if n_boot and by in sub and sub[by].nunique() > 1:
+            try:
+                out["bootstrap"][prec] = bootstrap_fit("qat_delta", sub, n_boot, by, level, huber_delta=huber_delta)
+            except ValueError as err:
+                out["skipped"][f"{prec} (bootstrap)"] = str(err)
     fp = table[table["precision"] == "fp"].drop_duplicates(subset=["N", "D", "seed"])
     if fp["N"].nunique() >= 2 and fp["D"].nunique() >= 2 and len(fp) >= 6:
         try:
@@ -222,8 +294,12 @@ def qat_report(table: pd.DataFrame, huber_delta: float | None = None) -> dict:
     if "w4a4" in fits:
         c = fits["w4a4"]["constants"]
         fr = fits["w4a4"]["frozen"]
-        for claim, param, sign in (("dδ/dN < 0", "gamma_N", 1), ("dδ/dD > 0", "gamma_D", 1), ("dδ/dG > 0", "gamma_G", 1)):
-            out["claims"][claim] = None if param in fr else bool(sign * c[param] > 0)
+        boot = out["bootstrap"].get("w4a4", {}).get("params", {})
+        for claim, param, sign in QAT_SIGNS:
+            if param in boot:  # the interval decides: held / not_held / inconclusive
+                out["claims"][claim] = sign_verdict(boot[param]["lo"], boot[param]["hi"], sign)
+            else:
+                out["claims"][claim] = None if param in fr else bool(sign * c[param] > 0)
     if "w4a16" in fits and "w16a4" in fits:
         out["claims"]["γ_D(weight) > γ_D(activation)"] = bool(
             fits["w4a16"]["constants"]["gamma_D"] > fits["w16a4"]["constants"]["gamma_D"])
@@ -247,9 +323,16 @@ def markdown(report: dict) -> str:
         lines.append(f"| {name} | {consts} | {f['r2_log']:.3f} | {f['n_fit']} | {held} | {len(f['dropped'])} |")
     for name, why in report["skipped"].items():
         lines.append(f"| {name} | skipped: {why} | | | | |")
+    if report.get("bootstrap"):
+        lines += ["", "| fit | parameter | estimate | bootstrap SE | interval | resamples (failed) |", "|---|---|---|---|---|---|"]
+        for name, b in report["bootstrap"].items():
+            lines += [f"| {name} | {p} | {v['estimate']:.4g} | {v['se']:.3g} | {100 * b['level']:.0f}%: "
+                      f"[{v['lo']:.4g}, {v['hi']:.4g}] | {b['n_boot']} ({b['failed']}) over {b['replicates']} {b['by']}s |"
+                      for p, v in b["params"].items() if p != "log_k"]
     if report.get("claims"):
+        word = lambda v: "n/a" if v is None else v if isinstance(v, str) else ("yes" if v else "no")
         lines += ["", "| paper's claim | holds here |", "|---|---|"]
-        lines += [f"| {k} | {'n/a' if v is None else ('yes' if v else 'no')} |" for k, v in report["claims"].items()]
+        lines += [f"| {k} | {word(v)} |" for k, v in report["claims"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -261,6 +344,10 @@ def main(argv=None) -> int:
     ap.add_argument("--law", default="qat_delta", help="qat_delta (the QAT report) | chinchilla | any in sweeps/laws.py")
     ap.add_argument("--where", action="append", default=[], help="column=value filters (repeatable)")
     ap.add_argument("--huber-delta", type=float, default=None)
+    ap.add_argument("--bootstrap", type=int, default=0, metavar="B",
+                    help="refit B times on resampled replicates (--by) per cell: SE and a --level interval per parameter")
+    ap.add_argument("--by", default="seed", help="the replicate column the bootstrap resamples (default: seed)")
+    ap.add_argument("--level", type=float, default=0.9, help="the bootstrap interval's coverage (default: 0.9)")
     ap.add_argument("--out", default=None, help="output prefix: <out>.csv, <out>_fit.json, <out>_fit.md, <out>.png")
     ap.add_argument("--wandb", action="store_true",
                     help="also log the table, constants and plot to a W&B run in the sweep's group (multirun/<dir name>)")
@@ -285,9 +372,13 @@ def main(argv=None) -> int:
     for f in failures:
         print(f"excluded failed job {f['dir']}: {f['status'][:200]}")
     if args.law == "qat_delta":
-        report = qat_report(table, args.huber_delta)
+        report = qat_report(table, args.huber_delta, args.bootstrap, args.by, args.level)
     else:
-        report = {"fits": {args.law: asdict(fit_law(args.law, table, args.huber_delta))}, "skipped": {}, "claims": {}}
+        report = {"fits": {args.law: asdict(fit_law(args.law, table, args.huber_delta))}, "skipped": {}, "claims": {},
+                  "bootstrap": {}}
+        if args.bootstrap:
+            report["bootstrap"][args.law] = bootstrap_fit(args.law, table, args.bootstrap, args.by, args.level,
+                                                          huber_delta=args.huber_delta)
     report["failed_jobs"] = [{"dir": f["dir"], "status": f["status"]} for f in failures]
     text = markdown(report)
     print(text)
