@@ -167,3 +167,22 @@ def test_qronos_target_reaches_the_least_squares_map_at_high_rate():
     ls = w @ stats.cross @ torch.linalg.inv(stats.sigma)
     assert torch.allclose(res.weight, ls, atol=1e-3 * float(ls.abs().max()))
     assert stats.output_error(w, res.weight) < 0.05 * stats.output_error(w, w)
+
+
+def test_rate_targeted_huffman_gptq_lands_on_the_entropy_rate_and_keeps_the_nominal_grid():
+    """The fair baseline at the same entropy rate: reported rate within tol of any target; at an integer r the
+    continuous grid is the nominal 2^{r+1}−1-level grid (identical codes)."""
+    w = torch.randn(256, 64, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+    stats = LayerStats(_spread_sigma(64, seed=13))
+    for target in (1.7, 2.5, 3.0):
+        res = HuffmanGPTQ(target_rate=True).quantize(w, stats, target)
+        assert abs(res.rate.bits - target) < 0.005, (target, res.rate.bits, res.info["secant"])
+    from lightning_modules.common.quantize.gptq import gptq_quantize
+    from lightning_modules.common.quantize.rtn import levels_for_rate
+
+    absmax = w.abs().amax(1, keepdim=True)
+    _, nominal = gptq_quantize(w, stats.sigma, levels_for_rate(3, extra_bit=True), 0.01)
+    _, cont = gptq_quantize(w, stats.sigma, 2 * 7 + 1, 0.01, scale=absmax / (2.0 ** 3 - 1))
+    assert torch.equal(nominal, cont)
+    with pytest.raises(ValueError, match="huffman_gptq"):
+        GPTQ(target_rate=True)

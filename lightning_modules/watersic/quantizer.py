@@ -36,7 +36,7 @@ import torch
 
 from lightning_modules.common.quantize.base import LayerStats, QuantResult, Quantizer, dead_columns
 from lightning_modules.common.quantize.rate import (RateReport, column_entropy_bits, entropy_bits,
-                                                    row_and_column_side_bits)
+                                                    row_and_column_side_bits, secant_search)
 
 
 def watersic_step(weight: torch.Tensor, chol: torch.Tensor, r: float) -> tuple[float, torch.Tensor]:
@@ -134,29 +134,6 @@ def entropy_target(rate: float, rows: int, cols: int, live_cols: int, inflate_de
         return rate - 16.0 / rows - 16.0 / cols
     side = row_and_column_side_bits(rows, live_cols, cols - live_cols)
     return (rate * rows * cols - side) / (rows * max(live_cols, 1))
-
-
-def secant_search(entropy_at, target: float, tol: float = 0.005, max_evals: int = 6, clamp: float = 10.0,
-                  start: float | None = None):
-    """The spec's rate targeting: r0 = ``start`` (default H*), r1 = r0 − (H(r0) − H*), then secant steps clamped to
-    [−clamp, clamp], at most ``max_evals`` evaluations, stopping when |H − H*| < tol.
-    Returns (best r, its H, evaluations)."""
-    r0 = target if start is None else start
-    rs, hs = [r0], [entropy_at(r0)]
-    if abs(hs[0] - target) >= tol and max_evals > 1:
-        r1 = max(-clamp, min(clamp, r0 - (hs[0] - target)))
-        rs.append(r1)
-        hs.append(entropy_at(r1))
-    while abs(hs[-1] - target) >= tol and len(rs) < max_evals:
-        dh = hs[-1] - hs[-2]
-        if dh == 0:
-            break
-        r = rs[-1] - (hs[-1] - target) * (rs[-1] - rs[-2]) / dh
-        r = max(-clamp, min(clamp, r))
-        rs.append(r)
-        hs.append(entropy_at(r))
-    best = min(range(len(rs)), key=lambda i: abs(hs[i] - target))
-    return rs[best], hs[best], list(zip(rs, hs))
 
 
 class WaterSIC(Quantizer):
