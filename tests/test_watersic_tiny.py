@@ -24,9 +24,17 @@ def tiny_setup(tiny_lm_dir):
 
 
 def test_watersic_tiny_smoke(tmp_path, tiny_lm_dir):
-    value, metrics = run_experiment("watersic_tiny", tmp_path, ["debug=smoke", "model.n_calib=8", "model.with_limit=false"])
+    from datamodules.common.corpus import embedded_documents
+
+    held_out = tmp_path / "held_out.txt"
+    held_out.write_text("\n".join(embedded_documents()[-40:]))
+    value, metrics = run_experiment("watersic_tiny", tmp_path, ["debug=smoke", "model.n_calib=8", "model.with_limit=false",
+                                                               f"+model.eval_sets.held={{files: {held_out}, max_windows: 2}}",
+                                                               "model.eval_seq_len=128"])
     assert metrics["status"] == "ok"
     final = metrics["final"]
+    # the held-out set: its own perplexities and KL, quantized worse than the reference
+    assert final["eval/held/ppl"] > final["eval/held/ppl_fp"] > 1 and final["eval/held/kl_bits"] > 0
     assert abs(final["quant/bits"] - 3.0) < 0.01          # global rate control lands on the budget
     assert final["quant/bits_column"] < final["quant/bits_pooled"]
     assert 0 < value == final["test/kl_bits"] < 0.1 and math.isfinite(final["test/ppl"])
@@ -133,7 +141,9 @@ def test_experiments_compose_and_instantiate(name, tmp_path):
     module = instantiate(cfg.model, _convert_="all")  # checks the quantizer's keyword arguments; no backbone built
     assert module.model is None and cfg.task == "test"
     if not name.endswith("_tiny"):
-        assert cfg.data.seq_len == 2048 and cfg.model.eval_files.endswith("wiki.test.txt")
+        assert cfg.data.seq_len == 2048 and cfg.model.eval_sets.wikitext2.files.endswith("wiki.test.txt")
+        assert cfg.model.eval_sets.wikitext2.join == "\n\n" and cfg.model.eval_sets.c4.max_windows == 256
+        assert cfg.trainer.precision == "16-true"  # FP16, as the spec's reference perplexities
         assert cfg.model.mode == "sequential"
 
 
@@ -166,3 +176,22 @@ def test_default_quantizers_and_the_removed_method_key(tmp_path):
         instantiate(cfg.model, _convert_="all")
     cause = info.value.__cause__ or info.value  # Hydra wraps errors raised in a constructor
     assert isinstance(cause, ValueError) and str(cause) == "model.method=rtn is gone: choose the quantizer with model/quantizer=rtn"
+
+
+def test_eval_sets_join_wikitext_the_standard_way(tmp_path, tiny_tokenizer):
+    """join="\n\n": every line (empty ones included) as one text, tokenized once; join=null: non-empty documents
+    each followed by EOS; max_documents cuts the split; a set without files fails naming the key."""
+    from lightning_modules.common.quantize.module import eval_set, eval_tokens
+
+    lines = [" = Title = ", "", " First paragraph of the article .", "", " Second one , with @-@ tokens ."]
+    path = tmp_path / "wiki.test.txt"
+    path.write_text("\n".join(lines) + "\n")
+    joined = eval_tokens(eval_set("w", files=str(path)), tiny_tokenizer)
+    assert list(joined) == tiny_tokenizer("\n\n".join(lines))["input_ids"]
+    per_doc = eval_tokens(eval_set("w", files=str(path), join=None), tiny_tokenizer)
+    docs = [t for t in lines if t.strip()]
+    assert int((per_doc == tiny_tokenizer.eos_token_id).sum()) == len(docs)
+    two = eval_tokens(eval_set("w", files=str(path), join=" ", max_documents=2), tiny_tokenizer)
+    assert list(two) == tiny_tokenizer(" ".join(lines[:2]))["input_ids"]
+    with pytest.raises(ValueError, match="eval_sets.c4.files"):
+        eval_set("c4", files=None)
