@@ -195,3 +195,64 @@ def test_eval_sets_join_wikitext_the_standard_way(tmp_path, tiny_tokenizer):
     assert list(two) == tiny_tokenizer(" ".join(lines[:2]))["input_ids"]
     with pytest.raises(ValueError, match="eval_sets.c4.files"):
         eval_set("c4", files=None)
+
+
+def test_attention_weighted_and_residual_statistics(tiny_setup):
+    """The driver's extras against explicit computations: token weights = attention received (mean over heads, summed
+    over queries, mean 1); ε = 0 weights Σ_X by them alone, ε = 1 is the plain sequential statistics; Σ_ΔR,X̂ = E[(R − R̂)x̂ᵀ]
+    with R the input of the norm before the layer's sub-block."""
+    from lightning_modules.common.quantize.calibration import capture_inputs
+    from lightning_modules.common.quantize.driver import _sequential_stats, attention_token_weights
+
+    base, calib, _ = tiny_setup
+    batch = {"input_ids": calib[0]["input_ids"][:2, :32]}
+    ref = copy.deepcopy(base)
+    ref.set_attn_implementation("eager")
+    probs = ref(**batch, output_attentions=True, use_cache=False).attentions[1].double()
+    expect = probs.mean(1).sum(1)
+    expect = expect / expect.mean()
+    got = attention_token_weights(copy.deepcopy(base), "model.layers.1", batch)
+    assert torch.allclose(got, expect, atol=1e-10) and got[:, 0].min() > got[:, 1:].max()  # the sink token dominates
+
+    model = copy.deepcopy(base)
+    with torch.no_grad():
+        for p in model.model.layers[0].parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    mods, refs = dict(model.named_modules()), dict(base.named_modules())
+    qkv = [(f"model.layers.1.self_attn.{p}_proj", mods[f"model.layers.1.self_attn.{p}_proj"]) for p in "qkv"]
+    plain = _sequential_stats(model, base, refs, qkv, [batch])
+    zero = _sequential_stats(model, base, refs, qkv, [batch], a_eps=0.0)
+    one = _sequential_stats(model, base, refs, qkv, [batch], a_eps=1.0)
+    flat = lambda t: t.double().reshape(-1, t.shape[-1])
+    x = flat(capture_inputs(base, refs[qkv[0][0]], batch))
+    wts = attention_token_weights(base, "model.layers.1", batch).reshape(-1)
+    assert torch.allclose(one.sigma_x, plain.sigma_x, atol=1e-12) and one.tokens == plain.tokens == 64
+    assert torch.allclose(zero.sigma_x, (x * wts[:, None]).T @ x / wts.sum(), atol=1e-10)
+
+    down = [("model.layers.1.mlp.down_proj", mods["model.layers.1.mlp.down_proj"])]
+    st = _sequential_stats(model, base, refs, down, [batch], residual=True)
+    r = flat(capture_inputs(base, refs["model.layers.1.post_attention_layernorm"], batch))
+    rh = flat(capture_inputs(model, mods["model.layers.1.post_attention_layernorm"], batch))
+    xh = flat(capture_inputs(model, down[0][1], batch))
+    assert torch.allclose(st.residual_cross, (r - rh).T @ xh / r.shape[0], atol=1e-10)
+    assert st.residual_cross.abs().max() > 0 and _sequential_stats(model, base, refs, down, [batch]).residual_cross is None
+
+
+def test_extras_run_through_the_driver(tiny_setup):
+    """All extras at once on the tiny model (2 golden-section steps): the ε found per q/k/v group is reported, zeroed
+    rows are zero, and plain mode refuses the sequential-only extras in one line."""
+    from lightning_modules.common.quantize.driver import quantize_model
+    from lightning_modules.watersic import WaterSIC
+
+    base, calib, _ = tiny_setup
+    calib = [{"input_ids": calib[0]["input_ids"][:2, :32]}]
+    model = copy.deepcopy(base)
+    rep = quantize_model(model, WaterSIC(target_rate=False), calib, 3.0, mode="sequential", reference=base,
+                         with_limit=False, residual_compensation=True, attn_weighted_qkv=0.01,
+                         zero_out_rows={"layers.2.mlp.down_proj": [0, 5]}, eps_search=True, eps_steps=2, log=None)
+    qrows = [r for r in rep["layers"] if r["layer"].endswith("q_proj")]
+    assert len(qrows) == 4 and all(0 <= r["q_eps"] <= 1 and 0 <= r["a_eps"] <= 1 for r in qrows)
+    zeroed = model.model.layers[2].mlp.down_proj.weight[[0, 5]]
+    assert torch.equal(zeroed, torch.zeros_like(zeroed))
+    with pytest.raises(ValueError, match="mode=sequential"):
+        quantize_model(copy.deepcopy(base), WaterSIC(), calib, 3.0, residual_compensation=True, log=None)

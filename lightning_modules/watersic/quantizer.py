@@ -4,7 +4,9 @@ successive interference cancellation, entropy-coded. Follows the authors' ``zsic
 One layer (W: a×n, rows = out-features):
 1. Dead inputs (Σ_jj ≤ 0 or < 1e-3·median diag Σ) are removed, and reinserted as zero columns.
 2. H = Σ_X̂ + μI, μ = percdamp·mean(diag), percdamp = 1e-4; H = LLᵀ in float64.
-3. Target Y = (W Σ_{XX̂} + μW) L^{−T}; in plain mode Σ_{XX̂} = Σ and this is Y = WL.
+3. Target Y = (W Σ_{XX̂} + μW) L^{−T}; in plain mode Σ_{XX̂} = Σ and this is Y = WL. With residual compensation
+   (``stats.residual_cross``, from the driver) Y = (W Σ_{XX̂} + μW + Σ_{ΔR,X̂}) L^{−T} and the rescalers' B gains the
+   same term, so the layer also cancels the residual stream's accumulated error (spec §4.3).
 4. One global whitened step c = sqrt(12·geomean_j(s_j L_jj²))·2^{−r}, s_j = mean_i W_ij², and per-column W-domain
    steps α_j = c/L_jj (so α_j L_jj = c: equal distortion c²/12 per whitened column = reverse waterfilling at high rate).
 5. SIC in reverse column order: z = round(y_j/c) (integers, no clipping), LMMSE gain γ_j = zᵀy/(zᵀz)/c (0 if z = 0),
@@ -26,7 +28,8 @@ with column accounting all rows are used, since per-column plug-in entropies on 
 ``search_column_powers``: ``all`` (ours, default: the step c uses every row's column powers s_j, so the search
 sees the step the final pass uses) | ``sample`` (the release: s_j from the sampled rows only; with
 ``search_min_rows=0`` this is the released search).
-Not implemented: residual compensation, attention-weighted QKV statistics, the joint ε search and WaterSIC-FT.
+The pipeline extras (residual compensation, attention-weighted QKV statistics, the joint ε search, ``zero_out_rows``)
+live in the driver (``lightning_modules/common/quantize/driver.py``); WaterSIC-FT is not implemented.
 """
 from __future__ import annotations
 
@@ -172,7 +175,10 @@ class WaterSIC(Quantizer):
         mu = self.percdamp * float(torch.diagonal(sig).mean())
         eye = torch.eye(n_live, dtype=sig.dtype, device=sig.device)
         chol = torch.linalg.cholesky(sig + mu * eye)
-        target = torch.linalg.solve_triangular(chol, (w @ cross + mu * w).T, upper=False).T  # (WΣ_XX̂ + μW) L^{-T}
+        b_mat = w @ cross  # the cross term the layer matches: WΣ_XX̂ (+ Σ_ΔR,X̂ with residual compensation)
+        if stats.residual_cross is not None:
+            b_mat = b_mat + stats.residual_cross.double()[:, live]
+        target = torch.linalg.solve_triangular(chol, (b_mat + mu * w).T, upper=False).T  # (B + μW) L^{-T}
 
         def full_pass(r_):
             c_, al_ = watersic_step(w, chol, r_)
@@ -214,7 +220,7 @@ class WaterSIC(Quantizer):
         if self.rescalers:
             A = z * alpha.unsqueeze(0)
             const = float(((w @ sig_x) * w).sum())
-            t, g, hist = find_optimal_rescalers(A, gamma, sig, w @ cross, const)
+            t, g, hist = find_optimal_rescalers(A, gamma, sig, b_mat, const)
             w_hat = t.unsqueeze(1) * A * g.unsqueeze(0)
             info.update(rescaler_iters=len(hist) - 1, rescaler_gain=hist[0] / max(hist[-1], 1e-300))
         out = torch.zeros(a, n, dtype=torch.float64, device=w.device)

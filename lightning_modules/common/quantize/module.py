@@ -41,6 +41,9 @@ class QuantizeLMModule(CausalLMModule):
             windows. ``join``: a string (WikiText-2's standard "\n\n": every row of the split, empty lines
             included, as one text tokenized once) or null (non-empty documents, each followed by EOS);
             ``max_documents`` / ``max_windows`` cut the split (C4 validation: GPTQ's 1100 documents, 256 windows).
+        residual_compensation / attn_weighted_qkv (ε, null = off) / zero_out_rows ({name substring: [rows]}) /
+            eps_search, eps_steps: WaterSIC's pipeline extras (``driver.py``; sequential mode; off by default as in
+            the release's CLI, on in the paper-scale experiments).
         method: removed (the old string registry); set, it fails with one line naming ``model/quantizer=<name>``.
     """
 
@@ -48,7 +51,9 @@ class QuantizeLMModule(CausalLMModule):
                  rate: float = 3.0, mode: str = "plain", rate_control: bool = True, n_calib: int = 32,
                  calib_batch_size: int = 8, calib_seed: int = 0, kl: bool = True, with_limit: bool = True,
                  eval_sets: Mapping[str, Mapping[str, Any]] | None = None, eval_seq_len: int = 2048,
-                 eval_batch_size: int = 4, stats_device: str | None = None, optimizer=None, scheduler=None,
+                 eval_batch_size: int = 4, stats_device: str | None = None, residual_compensation: bool = False,
+                 attn_weighted_qkv: float | None = None, zero_out_rows: Mapping[str, list[int]] | None = None,
+                 eps_search: bool = False, eps_steps: int = 10, optimizer=None, scheduler=None,
                  weight_decay: float = 0.0, method: str | None = None):
         if method is not None:
             raise ValueError(f"model.method={method} is gone: choose the quantizer with model/quantizer={method}")
@@ -65,6 +70,10 @@ class QuantizeLMModule(CausalLMModule):
         self.eval_sets = {k: eval_set(k, **v) for k, v in (eval_sets or {}).items()}
         self.eval_seq_len, self.eval_batch_size = eval_seq_len, eval_batch_size
         self.stats_device = stats_device
+        self.extras = {"residual_compensation": residual_compensation, "attn_weighted_qkv": attn_weighted_qkv,
+                       "zero_out_rows": dict(zero_out_rows or {}), "eps_search": eps_search, "eps_steps": eps_steps}
+        if mode != "sequential" and (residual_compensation or attn_weighted_qkv is not None or eps_search):
+            raise ValueError("model.residual_compensation / attn_weighted_qkv / eps_search need model.mode=sequential")
         self._reference: list = []  # a list, so the copy is not registered as a submodule (or checkpointed)
         self.quantized = False
         self.results: dict = {}
@@ -95,7 +104,7 @@ class QuantizeLMModule(CausalLMModule):
             self._reference = [copy.deepcopy(self.model).eval().requires_grad_(False)]
         report = quantize_model(self.model, self.quantizer, batches, self.rate,
                                 mode=self.mode, rate_control=self.rate_control, reference=self.reference,
-                                with_limit=self.with_limit, stats_device=self.stats_device)
+                                with_limit=self.with_limit, stats_device=self.stats_device, **self.extras)
         self.quantized = True
         self.results = {"quantization": {"method": self.method, "mode": self.mode, "target_rate": self.rate,
                                          **report["summary"]}, "layers": report["layers"]}
