@@ -131,7 +131,7 @@ def test_baseline_tiny_experiments(tmp_path, tiny_lm_dir, name):
 
 
 @pytest.mark.parametrize("name", ["watersic_tiny", "gptq_tiny", "rtn_tiny", "watersic_llama32_1b", "watersic_llama2_7b",
-                                  "watersic_qwen3_8b", "gptq_llama32_1b"])
+                                  "watersic_llama3_8b", "watersic_llama3_70b", "watersic_qwen3_8b", "gptq_llama32_1b"])
 def test_experiments_compose_and_instantiate(name, tmp_path):
     from hydra.utils import instantiate
 
@@ -144,7 +144,11 @@ def test_experiments_compose_and_instantiate(name, tmp_path):
         assert cfg.data.seq_len == 2048 and cfg.model.eval_sets.wikitext2.files.endswith("wiki.test.txt")
         assert cfg.model.eval_sets.wikitext2.join == "\n\n" and cfg.model.eval_sets.c4.max_windows == 256
         assert cfg.trainer.precision == "16-true"  # FP16, as the spec's reference perplexities
-        assert cfg.model.mode == "sequential"
+        assert cfg.model.mode == "sequential" and cfg.paper.name == "watersic" and cfg.backbone.dtype == "float16"
+        if name.startswith("watersic"):  # the spec's best-run extras
+            assert cfg.model.residual_compensation and cfg.model.attn_weighted_qkv == 0.01 and cfg.model.eps_search
+        else:  # the fair baseline: rate-targeted Huffman-GPTQ
+            assert module.quantizer.target_rate and module.quantizer.extra_bit
 
 
 @pytest.mark.parametrize("choice,cls,name", [("rtn", "RTN", "rtn"), ("gptq", "GPTQ", "gptq"),
