@@ -12,8 +12,11 @@ shared with the baselines it is compared with, in ``lightning_modules/common/qua
 Switches (conf/model/watersic.yaml, conf/model/quantizer/watersic.yaml): ``mode`` plain | sequential (paper's best
 runs use sequential, ``--qronos``); ``rate_control`` (on, ``--rate_control``); ``quantizer.accounting`` pooled |
 column; ``quantizer.rescalers``; ``quantizer.target_rate`` (``--zsic_binary_search``); ``quantizer.percdamp`` (1e-4).
-Not implemented (spec §4.3 extras): residual compensation, attention-weighted QKV statistics, the joint ε search,
-``--zero_out_rows`` and WaterSIC-FT.
+Pipeline extras (spec §4.3, ``driver.py``; sequential mode; off by default as in the release's CLI, on in the
+paper-scale experiments' ``base/watersic_paper.yaml`` as in the paper's best runs): ``residual_compensation``
+(``--residual_compensation``), ``attn_weighted_qkv`` = ε (``--attn_weighted_qkv``, paper 0.01), ``eps_search``
+(``--attn_weighted_adapt_eps_joint`` / ``--qronos_adapt``) and ``zero_out_rows`` (``--zero_out_rows``).
+Not implemented: WaterSIC-FT (training t and g by KL distillation with Z frozen).
 """
 from __future__ import annotations
 
