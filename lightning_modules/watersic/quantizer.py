@@ -234,4 +234,9 @@ class WaterSIC(Quantizer):
                             accounting=self.accounting)
         info["alpha"] = alpha
         info["chol_diag"] = torch.diagonal(chol)
+        # the diagonal factors of Ŵ = diag(t)(Z∘α)diag(g), for WaterSIC-FT (finetune.py); dead columns g = 0
+        g_full = torch.zeros(n, dtype=torch.float64, device=w.device)
+        g_full[live] = g if self.rescalers else gamma
+        info["t"] = t if self.rescalers else torch.ones(a, dtype=torch.float64, device=w.device)
+        info["g"] = g_full
         return QuantResult(out, codes, report, info)

@@ -104,7 +104,8 @@ def quantize_model(model, quantizer: Quantizer, batches: list[dict], rate: float
                    with_limit: bool = True, stats_device: str | None = None, residual_compensation: bool = False,
                    attn_weighted_qkv: float | None = None, zero_out_rows: dict | None = None, eps_search: bool = False,
                    eps_steps: int = 10, log=print) -> dict:
-    """Quantize ``model`` in place; returns {"layers": [...], "summary": {...}}.
+    """Quantize ``model`` in place; returns {"layers": [...], "summary": {...}, "factors": {name: (t, g)}} (the
+    diagonal factors of each factored Ŵ = diag(t)·A·diag(g), WaterSIC's, for WaterSIC-FT).
 
     ``stats_device``: where plain mode keeps its float64 Σ accumulators (e.g. ``cpu`` when all layers' Σ do not fit
     beside the model); each layer's Σ is moved to the weight's device when it is quantized."""
@@ -124,7 +125,7 @@ def quantize_model(model, quantizer: Quantizer, batches: list[dict], rate: float
         budget_bits, budget_weights = rate * total, total
         budgeted = rate_control and quantizer.fractional_rate
         rows: list[dict] = []
-        plain_stats, eps = {}, {}
+        plain_stats, eps, factors = {}, {}, {}
         if mode == "plain":
             with MomentCollector({g[0][0]: g[0][1] for g in groups}, device=stats_device) as col:
                 for b in batches:
@@ -153,6 +154,8 @@ def quantize_model(model, quantizer: Quantizer, batches: list[dict], rate: float
                 w = mod.weight.detach().double()
                 zero = sorted({int(i) for k, v in zero_out_rows.items() if k in name for i in v})
                 w_hat, rep = quantize_rows(quantizer, w, stats, target, budgeted, zero)
+                if "factors" in rep:
+                    factors[name] = rep.pop("factors")
                 mod.weight.copy_(w_hat.to(mod.weight.dtype))
                 mse = stats.output_error(w, w_hat)
                 row = {"layer": name, "rows": w.shape[0], "cols": w.shape[1], "target": target, "zeroed_rows": len(zero),
@@ -165,7 +168,7 @@ def quantize_model(model, quantizer: Quantizer, batches: list[dict], rate: float
                 budget_weights -= w.numel()
                 if log:
                     log(f"[quantize] {name}: {row['bits']:.3f} bits, rel. output MSE {row['rel_mse']:.4g}")
-    return {"layers": rows, "summary": _summary(rows)}
+    return {"layers": rows, "summary": _summary(rows), "factors": factors}
 
 
 def quantize_rows(quantizer: Quantizer, w: torch.Tensor, stats: LayerStats, rate: float, rate_control: bool,
@@ -186,6 +189,10 @@ def quantize_rows(quantizer: Quantizer, w: torch.Tensor, stats: LayerStats, rate
     rep = {k: (None if v is None else v * frac) for k, v in (("bits", r.bits), ("bits_pooled", r.bits_pooled),
                                                             ("bits_column", r.bits_column),
                                                             ("bits_cardinality", r.bits_cardinality))}
+    if "t" in res.info:  # row factors of a factored Ŵ (WaterSIC), zero on the zeroed rows
+        t = torch.zeros(w.shape[0], dtype=res.info["t"].dtype, device=w.device)
+        t[keep] = res.info["t"]
+        rep["factors"] = (t, res.info["g"])
     return w_hat, rep
 
 
