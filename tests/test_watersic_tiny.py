@@ -133,7 +133,8 @@ def test_baseline_tiny_experiments(tmp_path, tiny_lm_dir, name):
 
 
 @pytest.mark.parametrize("name", ["watersic_tiny", "gptq_tiny", "rtn_tiny", "watersic_llama32_1b", "watersic_llama2_7b",
-                                  "watersic_llama3_8b", "watersic_llama3_70b", "watersic_qwen3_8b", "gptq_llama32_1b"])
+                                  "watersic_llama3_8b", "watersic_llama3_70b", "watersic_qwen3_8b", "gptq_llama32_1b",
+                                  "watersic_ft_llama32_1b"])
 def test_experiments_compose_and_instantiate(name, tmp_path):
     from hydra.utils import instantiate
 
