@@ -17,7 +17,7 @@ D / D_HuffmanGPTQ at the same total rate (log-linear interpolation of Huffman-GP
 
 The gap grid (issue 13) runs WaterSIC at its nominal step (``target_rate=False``: the x-axis is the measured entropy)
 on Gaussian layers a×n with a/n from 1/8 to 32, Σ spread (as above) and Σ = I, over rates and seeds, and reports
-three numbers per cell, side information apart: the per-column entropy gap (the quantity the ½·log₂(πe/6) = 0.2546
+per cell, side information apart: the per-column entropy gap (the quantity the ½·log₂(πe/6) = 0.2546
 bound is about), the same with the Miller–Madow correction (K_j − 1)/(2a·ln 2) of each column's plug-in entropy
 (a column has only a samples: with few rows the plug-in entropy is biased low, which is why small layers look better
 than the bound), the pooled-histogram gap (the authors' reported figure: columns with different L_jj share one

@@ -105,8 +105,9 @@ def row_scale_side_bits(rows: int, groups: int = 1) -> float:
 
 def secant_search(entropy_at, target: float, tol: float = 0.005, max_evals: int = 6, clamp: float = 10.0,
                   start: float | None = None):
-    """The WaterSIC spec's rate targeting (§4.2 step 7; rate-targeted Huffman-GPTQ uses it too): r0 = ``start`` (default H*), r1 = r0 − (H(r0) − H*), then secant steps clamped to
-    [−clamp, clamp], at most ``max_evals`` evaluations, stopping when |H − H*| < tol.
+    """The WaterSIC spec's rate targeting (§4.2 step 7; rate-targeted Huffman-GPTQ uses it too): r0 = ``start``
+    (default H*), r1 = r0 − (H(r0) − H*), then secant steps clamped to [−clamp, clamp], at most ``max_evals``
+    evaluations, stopping when |H − H*| < tol.
     Returns (best r, its H, evaluations)."""
     r0 = target if start is None else start
     rs, hs = [r0], [entropy_at(r0)]
