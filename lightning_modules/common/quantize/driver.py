@@ -142,7 +142,8 @@ def quantize_model(model, quantizer: Quantizer, batches: list[dict], rate: float
             else:
                 extras = {"residual": residual_compensation, "a_eps": attn_weighted_qkv}
                 if eps_search and _is_qkv(group):
-                    extras = _search_eps(model, reference, ref_modules, group, batches, quantizer, rate, extras,
+                    now = min(16.0, max(0.05, budget_bits / budget_weights)) if budgeted else rate
+                    extras = _search_eps(model, reference, ref_modules, group, batches, quantizer, now, extras,
                                          eps_steps, log)
                 stats = _sequential_stats(model, reference, ref_modules, group, batches, **extras)
                 eps = {k: extras[k] for k in ("q_eps", "a_eps") if extras.get(k) is not None and _is_qkv(group)}
