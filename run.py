@@ -18,15 +18,37 @@ os.environ.setdefault("PAPERLAB_ROOT", str(ROOT))
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from lightning_modules.common.runner import register_resolvers, run  # noqa: E402  (no heavy imports)
+from runner import ConfigError, register_resolvers, run  # noqa: E402  (no heavy imports)
 
 register_resolvers()
+
+# Keys that became config-group choices or moved: the old form fails with one line naming the new one (before
+# Hydra's multi-line "not in struct").
+RENAMED = {
+    "model.press.name": "model/press=<manifoldkv|windowed_manifoldkv|keydiff|knorm|snapkv|streaming|random>",
+    "model.press.wrapper": "model/press_wrapper=<adakv|block|null>",
+    "model.press.alpha_safeguard": "model.press_wrapper.alpha_safeguard (with model/press_wrapper=adakv)",
+    "model.press.block_size": "model.press_wrapper.block_size (with model/press_wrapper=block)",
+    "model.press.snap_window": "model.press.window_size (with model/press=snapkv)",
+}
+
+
+def check_renamed(argv: list[str]) -> None:
+    for arg in argv:
+        key = arg.lstrip("+~").split("=", 1)[0]
+        if key in RENAMED:
+            sys.exit(f"{key} is gone: use {RENAMED[key]}")
 
 
 @hydra.main(config_path="conf", config_name="run", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
-    return run(cfg)
+    try:
+        return run(cfg)
+    except ConfigError as err:  # a config that cannot work: its one line, not a traceback
+        print(f"config error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":
+    check_renamed(sys.argv[1:])
     main()

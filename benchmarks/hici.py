@@ -70,7 +70,7 @@ def attention_cost(lengths, repeats: int = 3) -> dict:
     cfg._attn_implementation = "sdpa"
     rot = LlamaRotaryEmbedding(cfg)
     hici_cfg = {**HICI_DEFAULTS, "heads": 4, "bottleneck_dim": 32, "compress_dim": 8, "expand_dim": 32,
-                "integrator_heads": 4}
+                "integrator_heads": 4, "global_query_init": "xavier"}  # a lone layer has no token embeddings
     res = {}
     for arm in ("full", "hici"):
         holder = torch.nn.Module()

@@ -27,7 +27,8 @@ from types import SimpleNamespace
 
 import torch
 
-from lightning_modules.common.kv_press import KeyDiff, KNorm, ManifoldKV, SnapKV, StreamingLLM
+from lightning_modules.common.kv_press import KeyDiff, KNorm, SnapKV, StreamingLLM
+from lightning_modules.manifoldkv.press import ManifoldKV
 
 
 def planted(n_keys: int, n_needles: int, d: int, seed: int, b: float = 1.0, sigma: float = 0.1, eps: float = 0.5,

@@ -1,8 +1,9 @@
 """LLR benchmark: uniform vs layer-wise rates (AdamW and Muon) pretraining a tiny LLaMA on the embedded corpus.
 
 Every arm uses the same model init (per seed), data order (per seed), base LR, steps and schedule, and the same
-code as the Lightning path: ``CausalLMModule`` + ``callbacks.llr.llr_optimizer`` + ``warmup_cosine``, with the
-``LLR`` callback's ``due / recompute / apply_ramp`` driven from a plain loop (no Lightning overhead). Arms:
+code as the Lightning path: ``LLRModule`` + ``llr_optimizer`` + ``warmup_cosine`` (``lightning_modules/llr``),
+with the LLR callback's ``RateSchedule`` (``due / recompute / apply_ramp``) driven from a plain loop (no Lightning
+overhead). Arms:
 
     uniform        AdamW, η everywhere (the baseline)
     llr            AdamW, LLR rates in [η, 5η]
@@ -29,13 +30,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from callbacks.llr import LLR, cpu_threads, esd, hill_alpha, llr_optimizer, module_alphas
+from lightning_modules.llr import LLRModule, RateSchedule, cpu_threads, esd, hill_alpha, llr_optimizer
 
 ARMS = ("uniform", "llr", "uniform_5x", "uniform_muon", "llr_muon")
 
 
 def build(args, arm: str, seed: int):
-    from lightning_modules.common.lm import CausalLMModule, warmup_cosine
+    from lightning_modules.common.lm import warmup_cosine
 
     torch.manual_seed(seed)
     spec = {"family": "llama", "pretrained": None, "dtype": "float32", "attn_implementation": "sdpa",
@@ -47,7 +48,7 @@ def build(args, arm: str, seed: int):
     opt = partial(llr_optimizer, optimizer="muon" if arm.endswith("muon") else "adamw", lr=lr, muon_lr=args.muon_lr,
                   weight_decay=0.1)
     sched = partial(warmup_cosine, warmup_steps=max(1, args.steps // 10), total_steps=args.steps, min_ratio=0.1)
-    module = CausalLMModule(spec, optimizer=opt, scheduler=sched, weight_decay=0.1)
+    module = LLRModule(spec, optimizer=opt, scheduler=sched, weight_decay=0.1)
     module.configure_model()
     out = module.configure_optimizers()
     return module, out["optimizer"], out["lr_scheduler"]["scheduler"]
@@ -71,7 +72,7 @@ def val_loss(module, val_batches) -> float:
 
 def run_arm(args, arm, seed, train_tokens, val_batches):
     module, opt, sched = build(args, arm, seed)
-    cb = LLR(every=args.every, ramp_steps=args.ramp, ratio=0.2, total_steps=args.steps) if arm.startswith("llr") else None
+    cb = RateSchedule(every=args.every, ramp_steps=args.ramp, ratio=0.2) if arm.startswith("llr") else None
     weights = {g["llr_module"]: (module.get_submodule(g["llr_module"]).weight, g["llr_edge"])
                for g in opt.param_groups if g["llr_module"]}
     curve = []
@@ -160,7 +161,8 @@ def main(argv=None):
     from datamodules.text import TextDataModule
 
     dm = TextDataModule(tokenizer=corpus_tokenizer(2048), seq_len=args.seq_len, batch_size=args.batch)
-    train_tokens, val_tokens = dm.split_tokens()
+    tokens = dm.split_tokens()
+    train_tokens, val_tokens = tokens["train"], tokens["val"]
     val_batches = list(batches(val_tokens, args.seq_len, args.batch, args.val_batches, 7))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

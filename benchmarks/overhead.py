@@ -42,7 +42,7 @@ def compose(overrides: list[str], output_dir: str):
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import open_dict
 
-    from lightning_modules.common.runner import register_resolvers
+    from runner import register_resolvers
 
     register_resolvers()
     GlobalHydra.instance().clear()
@@ -84,7 +84,7 @@ def run_framework(steps: int, warmup: int, defaults: bool) -> tuple[float, float
     """Seconds per step through runner.run (the path of run.py), and the last training loss."""
     from omegaconf import open_dict
 
-    import lightning_modules.common.runner as runner
+    import runner
 
     timer = StepTimer(warmup, steps)
     with tempfile.TemporaryDirectory(prefix="paperlab-overhead-") as out:

@@ -21,8 +21,12 @@ def _is_dtensor_model(model) -> bool:
 
 
 class ExportPretrained(L.Callback):
-    def __init__(self, dirpath: str):
+    """``publish_as``: the cached tiny model (``datamodules/common/tiny_models.py``) this export is, when the run is
+    that model's experiment as configured (``python run.py`` builds ``tiny-lm`` this way)."""
+
+    def __init__(self, dirpath: str, publish_as: str | None = None):
         self.dirpath = Path(dirpath)
+        self.publish_as = publish_as
 
     def on_train_end(self, trainer, pl_module):
         model = getattr(pl_module, "export_model", lambda: pl_module.model)()
@@ -45,3 +49,10 @@ class ExportPretrained(L.Callback):
         dm = trainer.datamodule
         if dm is not None and getattr(dm, "tokenizer", None) is not None:
             dm.tokenizer.save_pretrained(str(self.dirpath))
+        if self.publish_as:
+            from hydra.core.hydra_config import HydraConfig
+
+            from datamodules.common.tiny_models import publish
+
+            hc = HydraConfig.get()
+            publish(self.publish_as, self.dirpath, hc.runtime.choices.get("experiment"), list(hc.overrides.task))

@@ -7,7 +7,8 @@ are joined with EOS and cut into ``seq_len`` blocks — the target context, e.g.
 passkey-retrieval prompts of the same length followed by their answer (``datamodules.synthetic.passkey_sample``):
 the planted-key task a tiny model must be taught before it can be scored on it. Paper-scale configs keep 0.
 
-``eval_tokens()`` is the validation stream the long-context evaluator scores (sliding perplexity).
+``eval_tokens()`` is the test stream the long-context evaluator scores (sliding perplexity): held-out documents
+that neither training nor checkpoint selection sees.
 """
 from __future__ import annotations
 
@@ -56,19 +57,18 @@ class LongContextDataModule(TextDataModule):
         if not 0.0 <= passkey_fraction < 1.0:
             raise ValueError(f"data.passkey_fraction={passkey_fraction} must be in [0, 1)")
         self.passkey_fraction = passkey_fraction
-        self._val_tokens = None
+        self._test_tokens = None
 
     def setup(self, stage: str | None = None):
         if self.train_set is not None:
             return
-        train, val = self.split_tokens()
-        self._val_tokens = val
         super().setup(stage)
+        self._test_tokens = self.test_set.tokens
         if self.passkey_fraction > 0:
             self.train_set = PasskeyMix(self.train_set, self.tokenizer, self.passkey_fraction, self.seed)
 
     def eval_tokens(self) -> torch.Tensor:
-        """The validation split as one token stream (documents joined with EOS)."""
-        if self._val_tokens is None:
+        """The test split as one token stream (documents joined with EOS)."""
+        if self._test_tokens is None:
             self.setup()
-        return torch.from_numpy(np.asarray(self._val_tokens, dtype=np.int64))
+        return torch.from_numpy(np.asarray(self._test_tokens, dtype=np.int64))

@@ -16,8 +16,12 @@ compressed; ``question`` + ``answer_prefix`` are appended after compression (kvp
 in tokens of the run's tokenizer, the whole prompt never longer than asked. Scoring is RULER's string match: all
 references for these tasks, any reference for QA tasks (``qa_*``).
 
-``source: files`` loads real RULER data instead (jsonl/parquet in kvpress's ``simonjegou/ruler`` layout: fields
-``context``, ``question``, ``answer_prefix``, ``answer`` (or ``outputs``), ``task``, ``max_new_tokens``).
+``source: files`` reads real RULER data instead, in the layout of kvpress's ``simonjegou/ruler`` dataset (a local
+copy of it, e.g. ``huggingface-cli download simonjegou/ruler --repo-type dataset --local-dir <dir>``): one
+sub-directory per context length (``<dir>/4096/``, ``<dir>/8192/``, ...) of parquet or jsonl records with fields
+``context``, ``question``, ``answer_prefix``, ``answer`` (or ``outputs``), ``task``, ``max_new_tokens``, and RULER's
+13 task names (``RULER_TASKS``). ``lengths`` picks the sub-directories, ``tasks`` the tasks, ``samples_per_task``
+the first records of each task x length.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import random
 import re
 import uuid
 from functools import lru_cache
+from pathlib import Path
 from typing import Any, Sequence
 
 import lightning as L
@@ -34,6 +39,9 @@ from torch.utils.data import DataLoader
 from datamodules.synthetic import FILLER
 
 TASKS = ("niah_single", "niah_multikey_2", "niah_multikey_3", "niah_multivalue", "niah_multiquery", "vt", "cwe")
+# the 13 tasks of RULER (Hsieh et al., 2024) as named in its data and in kvpress's dataset: the paper's average
+RULER_TASKS = ("niah_single_1", "niah_single_2", "niah_single_3", "niah_multikey_1", "niah_multikey_2", "niah_multikey_3",
+               "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_1", "qa_2")
 # RULER's tokens_to_generate
 MAX_NEW_TOKENS = {"niah": 128, "vt": 30, "cwe": 120}
 
@@ -193,26 +201,45 @@ def ruler_sample(task: str, tokenizer, n_tokens: int, seed: int) -> dict:
     return {"task": task, "length": n_tokens, **sample}
 
 
-def load_ruler_files(files, max_samples: int | None = None) -> list[dict]:
-    """Real RULER data from local files in kvpress's layout (one record per context/question)."""
+def load_ruler_files(root, lengths: Sequence[int], tasks: Sequence[str] | None = None,
+                     samples_per_task: int | None = None) -> list[dict]:
+    """Real RULER data from a local copy in kvpress's layout: ``<root>/<length>/*.parquet`` (or jsonl), one record per
+    context/question. The first ``samples_per_task`` records of each task x length, sample-major like the generator."""
     from datamodules.common.loaders import load_local
 
-    ds = load_local(files, field=None)
-    need = {"context", "question", "task"}
-    missing = need - set(ds.column_names)
-    if missing or not ({"answer", "outputs"} & set(ds.column_names)):
-        raise ValueError(f"data.files: RULER records need fields context, question, task and answer (or outputs); "
-                         f"missing {sorted(missing) or ['answer']} in columns {ds.column_names}")
-    out = []
-    for rec in ds:
-        refs = rec.get("answer", rec.get("outputs"))
-        out.append({"task": rec["task"], "length": rec.get("length", 0) or 0, "context": rec["context"],
-                    "question": rec["question"], "answer_prefix": rec.get("answer_prefix") or "",
-                    "outputs": [str(r) for r in refs] if isinstance(refs, (list, tuple)) else [str(refs)],
-                    "max_new_tokens": rec.get("max_new_tokens") or 128})
-        if max_samples and len(out) >= max_samples:
-            break
-    return out
+    root = Path(root).expanduser()
+    found = sorted(p.name for p in root.glob("*") if p.is_dir() and p.name.isdigit())
+    cells: dict[tuple[int, str], list[dict]] = {}
+    for n in lengths:
+        folder = root / str(n)
+        if not folder.is_dir():
+            raise ValueError(f"data.files={str(root)!r} has no {n}/ directory (context lengths there: {found or 'none'}); "
+                             "RULER in kvpress's layout has one sub-directory per length: fix data.lengths or data.files")
+        kinds = [k for k in ("parquet", "jsonl", "json") if any(folder.glob(f"*.{k}"))]
+        if not kinds:
+            raise ValueError(f"data.files: {folder} holds no .parquet / .jsonl files")
+        ds = load_local(str(folder / f"*.{kinds[0]}"), field=None)
+        missing = {"context", "question", "task"} - set(ds.column_names)
+        if missing or not ({"answer", "outputs"} & set(ds.column_names)):
+            raise ValueError(f"data.files: RULER records need fields context, question, task and answer (or outputs); "
+                             f"missing {sorted(missing) or ['answer']} in columns {ds.column_names} of {folder}")
+        for rec in ds:
+            if tasks and rec["task"] not in tasks:
+                continue
+            cell = cells.setdefault((n, rec["task"]), [])
+            if samples_per_task and len(cell) >= samples_per_task:
+                continue
+            refs = rec.get("answer", rec.get("outputs"))
+            cell.append({"task": rec["task"], "length": n, "context": rec["context"], "question": rec["question"],
+                         "answer_prefix": rec.get("answer_prefix") or "",
+                         "outputs": [str(r) for r in refs] if isinstance(refs, (list, tuple)) else [str(refs)],
+                         "max_new_tokens": rec.get("max_new_tokens") or 128})
+        absent = [t for t in (tasks or ()) if (n, t) not in cells]
+        if absent:
+            raise ValueError(f"data.tasks: {absent} not in {folder}; leave them out of data.tasks")
+    order = sorted(cells, key=lambda c: (lengths.index(c[0]), RULER_TASKS.index(c[1]) if c[1] in RULER_TASKS else 99, c[1]))
+    depth = max((len(v) for v in cells.values()), default=0)
+    return [cells[c][i] for i in range(depth) for c in order if i < len(cells[c])]
 
 
 def encode(sample: dict, tokenizer, chat_template: bool = False) -> dict:
@@ -243,25 +270,31 @@ class RulerDataModule(L.LightningDataModule):
 
     Args:
         tokenizer: the run's tokenizer (the model's own at paper scale).
-        tasks, lengths: which tasks and context lengths (tokens).
-        source: ``synthetic`` (generated from ``seed``) or ``files`` (real RULER data at ``files``).
+        tasks: which tasks; ``None`` = every task of the source (the 7 generated ones, or RULER's 13 from files).
+        lengths: context lengths in tokens (generated at that length, or the files' ``<length>/`` directories).
+        samples_per_task: per task x length (files: the first ones; ``None`` = all of them).
+        source: ``synthetic`` (generated from ``seed``) or ``files`` (real RULER data under ``files``).
         chat_template: wrap context + question in the tokenizer's chat template (instruct models), split so the
             question is still appended after compression.
     """
 
-    def __init__(self, tokenizer, tasks: Sequence[str] = TASKS, lengths: Sequence[int] = (4096,),
-                 samples_per_task: int = 10, seed: int = 0, source: str = "synthetic", files: Any = None,
+    def __init__(self, tokenizer, tasks: Sequence[str] | None = None, lengths: Sequence[int] = (4096,),
+                 samples_per_task: int | None = 10, seed: int = 0, source: str = "synthetic", files: Any = None,
                  chat_template: bool = False, batch_size: int = 1, num_workers: int = 0):
         super().__init__()
         if source not in ("synthetic", "files"):
             raise ValueError(f"data.source={source!r}: choose synthetic or files")
         if source == "files" and not files:
-            raise ValueError("data.source=files needs data.files=<path or glob of RULER jsonl/parquet>")
-        unknown = [t for t in tasks if t not in TASKS]
-        if source == "synthetic" and unknown:
-            raise ValueError(f"data.tasks: unknown {unknown}; choose from {', '.join(TASKS)}")
+            raise ValueError("data.source=files needs data.files=<directory of RULER data, one sub-directory per length>")
+        known = RULER_TASKS if source == "files" else TASKS
+        tasks = list(tasks) if tasks else list(known)
+        unknown = [t for t in tasks if t not in known]
+        if unknown:
+            raise ValueError(f"data.tasks: unknown {unknown} for data.source={source}; choose from {', '.join(known)}")
+        if source == "synthetic" and not samples_per_task:
+            raise ValueError("data.samples_per_task: the generator needs a number of samples per task x length")
         self.tokenizer = tokenizer
-        self.tasks, self.lengths = list(tasks), [int(n) for n in lengths]
+        self.tasks, self.lengths = tasks, [int(n) for n in lengths]
         self.samples_per_task, self.seed = samples_per_task, seed
         self.source, self.files, self.chat_template = source, files, chat_template
         self.batch_size, self.num_workers = batch_size, num_workers
@@ -271,7 +304,7 @@ class RulerDataModule(L.LightningDataModule):
         if self.samples is not None:
             return
         if self.source == "files":
-            raw = [s for s in load_ruler_files(self.files) if not self.tasks or s["task"] in self.tasks]
+            raw = load_ruler_files(self.files, self.lengths, self.tasks, self.samples_per_task)
         else:
             # sample-major order: the first batches cover every task and length (debug limits stay informative)
             raw = [ruler_sample(t, self.tokenizer, n, self.seed + i)

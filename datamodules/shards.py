@@ -26,16 +26,17 @@ class ShardDataModule(TextDataModule):
         files: path or glob(s) of .jsonl(.gz) / .parquet / .txt (a document a file); may be null when
             ``shard_dir`` already holds a complete build.
         shard_dir: where the shards are (or go); null = the user cache, keyed as above.
-        val_fraction: share of documents held out for validation (by a hash of file name and row).
+        val_fraction, test_fraction: shares of documents held out for validation and for test (by a hash of
+            file name and row; ``datamodules.common.splits``).
     """
 
     def __init__(self, tokenizer, files=None, shard_dir: str | None = None, text_field: str = "text",
                  seq_len: int = 2048, batch_size: int = 8, eval_batch_size: int | None = None,
-                 val_fraction: float = 0.0005, max_val_sequences: int | None = 256, num_workers: int = 0,
-                 seed: int = 0, progress: bool = True):
+                 val_fraction: float = 0.0005, test_fraction: float = 0.0005, max_val_sequences: int | None = 256,
+                 num_workers: int = 0, seed: int = 0, progress: bool = True):
         super().__init__(tokenizer, source="files", files=files, text_field=text_field, seq_len=seq_len,
                          batch_size=batch_size, eval_batch_size=eval_batch_size, val_fraction=val_fraction,
-                         max_val_sequences=max_val_sequences, num_workers=num_workers, seed=seed)
+                         test_fraction=test_fraction, max_val_sequences=max_val_sequences, num_workers=num_workers, seed=seed)
         self.shard_dir_arg, self.progress = shard_dir, progress
 
     @property
@@ -45,7 +46,8 @@ class ShardDataModule(TextDataModule):
         if not self.files:
             raise ValueError("data=shards needs data.files=<path or glob of your corpus> or data.shard_dir=<built shards>")
         stats = [(str(p), p.stat().st_size, p.stat().st_mtime) for p in _expand(self.files)]
-        key = stable_hash(stats, tokenizer_fingerprint(self.tokenizer), self.text_field, self.val_fraction)
+        key = stable_hash(stats, tokenizer_fingerprint(self.tokenizer), self.text_field, self.val_fraction,
+                         self.test_fraction)
         return cache_root() / "shards" / key
 
     def prepare_data(self):
@@ -56,7 +58,7 @@ class ShardDataModule(TextDataModule):
                                         "not set: set data.files=<your corpus> to build them")
             return
         build_shards(self.files, self.tokenizer, self.shard_dir, self.text_field, self.val_fraction,
-                     progress=self.progress)
+                     self.test_fraction, progress=self.progress)
 
     def setup(self, stage: str | None = None):
         if self.train_set is not None:
@@ -65,11 +67,13 @@ class ShardDataModule(TextDataModule):
             self.prepare_data()  # used without a Trainer (tests, notebooks)
         self.train_set = TokenShards(self.shard_dir, "train", self.seq_len)
         self.val_set = TokenShards(self.shard_dir, "val", self.seq_len)
+        self.test_set = TokenShards(self.shard_dir, "test", self.seq_len)
         if self.train_set.vocab_size != len(self.tokenizer):
             raise ValueError(f"{self.shard_dir} was built with a vocabulary of {self.train_set.vocab_size}, the run's "
                              f"tokenizer has {len(self.tokenizer)}: rebuild the shards or point data.shard_dir elsewhere")
         if len(self.train_set) == 0:
             raise ValueError(f"the shards in {self.shard_dir} hold no full window of data.seq_len={self.seq_len} tokens")
-        if len(self.val_set) == 0:
-            raise ValueError(f"the validation shards hold fewer than data.seq_len={self.seq_len} tokens per source; "
-                             "raise data.val_fraction or lower data.seq_len")
+        for split in ("val", "test"):
+            if len(getattr(self, f"{split}_set")) == 0:
+                raise ValueError(f"the {split} shards hold fewer than data.seq_len={self.seq_len} tokens per source; "
+                                 f"raise data.{split}_fraction or lower data.seq_len")

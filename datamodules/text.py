@@ -1,8 +1,11 @@
 """Language-modelling data: documents → tokens → packed fixed-length sequences.
 
 Sources: the embedded corpus (``source: embedded``, no download) or local files (``source: files`` with
-``files:`` a path or glob of .txt / .jsonl / .parquet). Documents are split into train/val by document,
-tokenized once (cached by corpus, tokenizer and length), joined with EOS and cut into ``seq_len`` blocks.
+``files:`` a path or glob of .txt / .jsonl / .parquet). Documents are split into three disjoint sets, train /
+val / test, by a hash of each document (``datamodules.common.splits``); ``val_files`` / ``test_files`` give a
+split from its own files instead (then the training files hold no documents of that split). Each split is
+tokenized once (cached by corpus, tokenizer and fractions), joined with EOS and cut into ``seq_len`` blocks.
+Checkpoints are selected on val; ``test_dataloader`` serves the test split, which nothing else reads.
 The training order comes from ``StepStreamSampler``: a function of seed and optimizer step, so resumed and
 paired runs see the same batches.
 """
@@ -18,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from datamodules.common.cache import cache_root, stable_hash
 from datamodules.common.sampling import StepStreamSampler
+from datamodules.common.splits import SPLITS, check_fractions, split_items
 
 
 class PackedTokens(Dataset):
@@ -55,18 +59,25 @@ def tokenize_documents(docs: list[str], tokenizer) -> np.ndarray:
 class TextDataModule(L.LightningDataModule):
     def __init__(self, tokenizer, source: str = "embedded", files=None, text_field: str = "text",
                  seq_len: int = 256, batch_size: int = 8, eval_batch_size: int | None = None,
-                 val_fraction: float = 0.05, max_val_sequences: int | None = 64, num_workers: int = 0, seed: int = 0):
+                 val_fraction: float = 0.05, test_fraction: float = 0.05, val_files=None, test_files=None,
+                 max_val_sequences: int | None = 64, num_workers: int = 0, seed: int = 0):
         super().__init__()
+        check_fractions(val_fraction, test_fraction)
         self.tokenizer = tokenizer
         self.source, self.files, self.text_field = source, files, text_field
+        self.val_files, self.test_files = val_files, test_files
         self.seq_len, self.batch_size = seq_len, batch_size
         self.eval_batch_size = eval_batch_size or batch_size
-        self.val_fraction, self.max_val_sequences = val_fraction, max_val_sequences
+        self.val_fraction, self.test_fraction, self.max_val_sequences = val_fraction, test_fraction, max_val_sequences
         self.num_workers, self.seed = num_workers, seed
-        self.train_set = self.val_set = None
+        self.train_set = self.val_set = self.test_set = None
 
     # --- documents and tokens --------------------------------------------------------------------
-    def documents(self) -> list[str]:
+    def documents(self, files=None) -> list[str]:
+        if files is not None:
+            from datamodules.common.loaders import local_documents
+
+            return local_documents(files, self.text_field)
         if self.source == "embedded":
             from datamodules.common.corpus import embedded_documents
 
@@ -77,33 +88,46 @@ class TextDataModule(L.LightningDataModule):
             return local_documents(self.files, self.text_field)
         raise ValueError(f"data.source={self.source!r}: use 'embedded' or 'files' (with data.files=<path or glob>)")
 
-    def split_tokens(self) -> tuple[np.ndarray, np.ndarray]:
-        from datamodules.common.corpus import corpus_key, split_documents
+    def split_documents(self) -> dict[str, list[str]]:
+        """Train / val / test documents: hashed out of the main source, except a split given by its own files."""
+        own = {"val": self.val_files, "test": self.test_files}
+        docs = split_items(self.documents(), 0.0 if own["val"] else self.val_fraction,
+                           0.0 if own["test"] else self.test_fraction)
+        for split, files in own.items():
+            if files:
+                docs[split] = self.documents(files)
+        return docs
 
-        src = corpus_key() if self.source == "embedded" else stable_hash(self.files, self.text_field,
-                                                                        [Path(f).stat().st_mtime for f in _expand(self.files)])
-        key = stable_hash(src, tokenizer_fingerprint(self.tokenizer), self.val_fraction)
+    def split_tokens(self) -> dict[str, np.ndarray]:
+        """``{"train", "val", "test"}`` -> one flat token array each (cached)."""
+        from datamodules.common.corpus import corpus_key
+
+        def files_key(files):
+            return files and stable_hash(files, [Path(f).stat().st_mtime for f in _expand(files)])
+
+        src = corpus_key() if self.source == "embedded" else files_key(self.files)
+        key = stable_hash(src, self.text_field, tokenizer_fingerprint(self.tokenizer), self.val_fraction,
+                          self.test_fraction, files_key(self.val_files), files_key(self.test_files))
         path = cache_root() / "tokens" / f"{key}.npz"
         if path.exists():
             z = np.load(path)
-            return z["train"], z["val"]
-        train_docs, val_docs = split_documents(self.documents(), self.val_fraction)
-        train, val = tokenize_documents(train_docs, self.tokenizer), tokenize_documents(val_docs, self.tokenizer)
+            return {s: z[s] for s in SPLITS}
+        tokens = {s: tokenize_documents(d, self.tokenizer) for s, d in self.split_documents().items()}
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.stem + ".tmp.npz")
-        np.savez(tmp, train=train, val=val)
+        np.savez(tmp, **tokens)
         tmp.replace(path)
-        return train, val
+        return tokens
 
     def setup(self, stage: str | None = None):
         if self.train_set is not None:
             return
-        train, val = self.split_tokens()
-        self.train_set = PackedTokens(train, self.seq_len)
-        self.val_set = PackedTokens(val, self.seq_len)
-        if len(self.val_set) == 0:
-            raise ValueError(f"the validation split holds fewer than data.seq_len={self.seq_len} tokens; "
-                             "raise data.val_fraction or lower data.seq_len")
+        tokens = self.split_tokens()
+        self.train_set, self.val_set, self.test_set = (PackedTokens(tokens[s], self.seq_len) for s in SPLITS)
+        for split in ("val", "test"):
+            if len(getattr(self, f"{split}_set")) == 0:
+                raise ValueError(f"the {split} split holds fewer than data.seq_len={self.seq_len} tokens; "
+                                 f"raise data.{split}_fraction or lower data.seq_len")
 
     @property
     def vocab_size(self) -> int:
@@ -139,7 +163,7 @@ class TextDataModule(L.LightningDataModule):
         return self._eval_loader(self.val_set)
 
     def test_dataloader(self):
-        return self._eval_loader(self.val_set)
+        return self._eval_loader(self.test_set)
 
 
 def _expand(files) -> list[str]:

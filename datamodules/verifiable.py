@@ -6,6 +6,13 @@ Tasks (``data.task``):
 - ``gsm8k``: local GSM8K files (jsonl/parquet with ``question`` / ``answer``; the answer holds ``#### n``).
 - ``math``: local MATH files (``problem`` / ``solution``; the answer is the last ``\\boxed{}``).
 
+Three disjoint splits by a hash of the problem (``datamodules.common.splits``): a generated problem's key is its
+computation (``"3 + 4"``, whatever the names in a word problem), a file record's is its question. No val or test
+problem is ever trained on, nor warmed up on (``lightning_modules/common/rl/warmup.py`` draws from the train part).
+Files: ``val_files`` / ``test_files`` give a split from its own files (GSM8K: ``test_files`` = the test file,
+validation hashed out of the training file); without them val and test are hashed out of ``files``, never the
+training records themselves. Checkpoints are selected on val; ``test_dataloader`` serves test, which nothing else reads.
+
 Each item is ``{"prompt": str, "answer": str, "solution": str, "prompt_ids": list[int]}``; a batch keeps lists.
 Prompts read ``"Question: ...\\nAnswer:"``; a solution is the completion the supervised warm-up teaches.
 """
@@ -16,9 +23,12 @@ import random
 import lightning as L
 from torch.utils.data import DataLoader, Dataset
 
+from datamodules.common.answers import extract_answer
 from datamodules.common.sampling import StepStreamSampler
+from datamodules.common.splits import SPLITS, check_fractions, split_of
 
 TASKS = ("arithmetic", "word_problems", "gsm8k", "math")
+GENERATED = ("arithmetic", "word_problems")
 PROMPT = "Question: {q}\nAnswer:"
 
 _NAMES = ["Tom", "Ana", "Li", "Sam", "Mia", "Ravi", "Zoe", "Omar"]
@@ -32,7 +42,8 @@ def arithmetic_problem(rng: random.Random, digits: int = 2, operations=("+", "-"
     if op == "-" and b > a:
         a, b = b, a
     c = {"+": a + b, "-": a - b, "*": a * b}[op]
-    return {"question": f"What is {a} {op} {b}?", "solution": f"{a} {op} {b} = {c}\n#### {c}", "answer": str(c)}
+    return {"question": f"What is {a} {op} {b}?", "solution": f"{a} {op} {b} = {c}\n#### {c}", "answer": str(c),
+            "key": f"{a} {op} {b}"}
 
 
 def word_problem(rng: random.Random, digits: int = 2) -> dict:
@@ -46,22 +57,41 @@ def word_problem(rng: random.Random, digits: int = 2) -> dict:
         a, b = max(a, b), min(a, b)
         q = f"{name} has {a} {item} and gives away {b} of them. How many {item} are left?"
         sol, c = f"{a} - {b} = {a - b}", a - b
-    return {"question": q, "solution": f"{sol}\n#### {c}", "answer": str(c)}
+    return {"question": q, "solution": f"{sol}\n#### {c}", "answer": str(c), "key": sol.split(" =")[0]}
 
 
-def generate_problems(task: str, n: int, seed: int, digits: int = 2, operations=("+", "-")) -> list[dict]:
+def generate_problems(task: str, n: int, seed: int, digits: int = 2, operations=("+", "-"), split: str | None = None,
+                      val_fraction: float = 0.0, test_fraction: float = 0.0) -> list[dict]:
+    """``n`` problems drawn from a seed. With ``split``, only problems whose key hashes into that split; val and
+    test problems are distinct, so a small problem space (``digits=1``) may give fewer than ``n``."""
+    if task not in GENERATED:
+        raise ValueError(f"data.task={task!r} is not generated; generated tasks: {', '.join(GENERATED)}")
     rng = random.Random(seed)
-    if task == "arithmetic":
-        return [arithmetic_problem(rng, digits, operations) for _ in range(n)]
-    if task == "word_problems":
-        return [word_problem(rng, digits) for _ in range(n)]
-    raise ValueError(f"data.task={task!r} is not generated; generated tasks: arithmetic, word_problems")
+
+    def draw():
+        return arithmetic_problem(rng, digits, operations) if task == "arithmetic" else word_problem(rng, digits)
+
+    if split is None:
+        return [draw() for _ in range(n)]
+    check_fractions(val_fraction, test_fraction)
+    out, seen = [], set()
+    for _ in range(50 * n + 10_000):  # enough draws to exhaust a small space's share of a split
+        if len(out) == n:
+            break
+        p = draw()
+        if split_of(p["key"], val_fraction, test_fraction) != split or (split != "train" and p["key"] in seen):
+            continue
+        seen.add(p["key"])
+        out.append(p)
+    if not out:
+        raise ValueError(f"no {task} problem with digits={digits} falls in the {split} split: raise data.{split}_fraction "
+                         "or data.digits")
+    return out
 
 
 def load_problems(task: str, files, question_field: str | None = None, answer_field: str | None = None) -> list[dict]:
     """GSM8K / MATH records from local files (``datasets`` via ``load_local``), answers extracted as for rewards."""
     from datamodules.common.loaders import load_local
-    from lightning_modules.common.rl.rewards import extract_answer
 
     if not files:
         raise ValueError(f"data.task={task}: set data.files=<path or glob of your {task} .jsonl/.parquet files>")
@@ -98,33 +128,52 @@ def collate(items: list[dict]) -> dict:
 
 
 class VerifiableDataModule(L.LightningDataModule):
-    def __init__(self, tokenizer, task: str = "arithmetic", files=None, val_files=None, question_field: str | None = None,
-                 answer_field: str | None = None, digits: int = 2, operations=("+", "-"), n_train: int = 20000,
-                 n_val: int = 64, batch_size: int = 8, eval_batch_size: int = 32, max_prompt_tokens: int = 512,
-                 num_workers: int = 0, seed: int = 0):
+    def __init__(self, tokenizer, task: str = "arithmetic", files=None, val_files=None, test_files=None,
+                 question_field: str | None = None, answer_field: str | None = None, digits: int = 2,
+                 operations=("+", "-"), val_fraction: float = 0.2, test_fraction: float = 0.2, n_train: int = 20000,
+                 n_val: int | None = 64, n_test: int | None = 64, batch_size: int = 8, eval_batch_size: int = 32,
+                 max_prompt_tokens: int = 512, num_workers: int = 0, seed: int = 0):
         super().__init__()
         if task not in TASKS:
             raise ValueError(f"data.task={task!r}: choose one of {', '.join(TASKS)}")
-        self.tokenizer, self.task, self.files, self.val_files = tokenizer, task, files, val_files
+        check_fractions(val_fraction, test_fraction)
+        self.tokenizer, self.task = tokenizer, task
+        self.files, self.val_files, self.test_files = files, val_files, test_files
         self.question_field, self.answer_field = question_field, answer_field
         self.digits, self.operations = digits, tuple(operations)
-        self.n_train, self.n_val = n_train, n_val
+        self.val_fraction, self.test_fraction = val_fraction, test_fraction
+        self.n = {"train": n_train, "val": n_val, "test": n_test}
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         self.max_prompt_tokens, self.num_workers, self.seed = max_prompt_tokens, num_workers, seed
-        self.train_set = self.val_set = None
+        self.train_set = self.val_set = self.test_set = None
 
-    def problems(self, split: str) -> list[dict]:
-        if self.task in ("arithmetic", "word_problems"):
-            n = self.n_train if split == "train" else self.n_val
-            return generate_problems(self.task, n, self.seed * 7919 + (0 if split == "train" else 1), self.digits, self.operations)
-        files = self.files if split == "train" else (self.val_files or self.files)
-        probs = load_problems(self.task, files, self.question_field, self.answer_field)
-        return probs if split == "train" or self.val_files else probs[: self.n_val]
+    def all_problems(self) -> dict[str, list[dict]]:
+        """Train / val / test problems: disjoint by the hash of each problem's key."""
+        if self.task in GENERATED:
+            return {s: generate_problems(self.task, self.n[s], self.seed * 7919 + i, self.digits, self.operations,
+                                         s, self.val_fraction, self.test_fraction) for i, s in enumerate(SPLITS)}
+        own = {"val": self.val_files, "test": self.test_files}
+        fractions = {s: 0.0 if own[s] else getattr(self, f"{s}_fraction") for s in own}
+        out = {s: [] for s in SPLITS}
+        for p in self.load(self.files):
+            out[split_of(p["question"], fractions["val"], fractions["test"])].append(p)
+        for s, files in own.items():
+            if files:
+                out[s] = self.load(files)
+        cap = {**self.n, "train": None}  # every training record; n_val / n_test cap the evaluations
+        return {s: ps if cap[s] is None else ps[: cap[s]] for s, ps in out.items()}
+
+    def load(self, files) -> list[dict]:
+        return load_problems(self.task, files, self.question_field, self.answer_field)
 
     def setup(self, stage: str | None = None):
         if self.train_set is None:
-            self.train_set = Problems(self.problems("train"), self.tokenizer, self.max_prompt_tokens)
-            self.val_set = Problems(self.problems("val"), self.tokenizer, self.max_prompt_tokens)
+            problems = self.all_problems()
+            for s in SPLITS:
+                if not problems[s]:
+                    raise ValueError(f"the {s} split holds no problem: raise data.{s}_fraction or give data.{s}_files")
+            self.train_set, self.val_set, self.test_set = (Problems(problems[s], self.tokenizer, self.max_prompt_tokens)
+                                                           for s in SPLITS)
 
     def train_dataloader(self):
         trainer = self.trainer
@@ -140,4 +189,5 @@ class VerifiableDataModule(L.LightningDataModule):
                           num_workers=self.num_workers)
 
     def test_dataloader(self):
-        return self.val_dataloader()
+        return DataLoader(self.test_set, batch_size=self.eval_batch_size, shuffle=False, collate_fn=collate,
+                          num_workers=self.num_workers)

@@ -1,6 +1,6 @@
 """Collect Hydra multirun directories into one table.
 
-Every job dir holds ``metrics.json`` (written by ``callbacks/results.py``, or by the runner on failure) and
+Every job dir holds ``metrics.json`` (written by the runner, also on failure) and
 ``.hydra/{config,overrides}.yaml``. ``collect(*dirs)`` returns (jobs, failures): a job whose status is not ok
 is reported and left out, never fatal. A job is a dict with its dir, overrides, seed, status, the metrics file
 and ``flat`` (overrides + final metrics + parameter counts, one row per job: what a generic law fits).

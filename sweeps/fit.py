@@ -1,10 +1,14 @@
 """Fit a scaling law (``sweeps/laws.py``) to a collected sweep table, report it, plot it.
 
-The fit: rows whose target is ≤ 0 are dropped (and reported: a log law cannot hold them); a closed-form OLS
-start where the law has one; then a Huber loss on log residuals minimised by L-BFGS from that start and from the
-best ``top_k`` points of the law's init grid; the lowest objective wins. Parameters the data cannot identify
-(the exponent of an input with a single value) are frozen. Reported: the constants, R² of log target on the
-fitted rows, and the relative error on held-out corners (the rows at the largest N and D, left out of the fit).
+The fit: rows whose target is ≤ 0 are dropped (and reported: a log law cannot hold them); then the law's objective
+(``Law.objective``: a Huber loss on log residuals unless a law says otherwise) is minimised by L-BFGS from every
+point of the law's init grid (a grid over every constant, as the Chinchilla refits do) and from the closed-form
+OLS start where the law has one. All starts run at once (a batched L-BFGS over ``torch.func.vmap``, each start an
+independent problem), the ``top_k`` best are polished with SciPy's L-BFGS-B, and the lowest objective wins, ties
+broken by the parameters themselves: the answer depends neither on the order of the starts nor on thread count.
+Parameters the data cannot identify (the exponent of an input with a single value) are frozen. Reported: the
+constants, R² of log target on the fitted rows, and the relative error on held-out corners (the rows at the
+largest N and D, left out of the fit).
 
 CLI (collects multirun dirs or reads a CSV; writes <out>.csv, <out>_fit.json, <out>_fit.md, <out>.png)::
 
@@ -40,22 +44,16 @@ class FitResult:
     frozen: dict[str, float] = field(default_factory=dict)
 
 
-def _huber(r: torch.Tensor, delta: float) -> torch.Tensor:
-    a = r.abs()
-    return torch.where(a <= delta, 0.5 * r ** 2, delta * (a - 0.5 * delta)).sum()
-
-
 def _minimise(law: Law, X: dict, logy: torch.Tensor, x0: np.ndarray, free: np.ndarray, delta: float):
+    """SciPy L-BFGS-B on the free parameters from ``x0``; returns (theta, objective)."""
     from scipy.optimize import minimize
 
     base = torch.as_tensor(x0, dtype=torch.float64)
     idx = torch.as_tensor(np.flatnonzero(free))
 
     def objective(z):
-        theta = base.clone()
         zt = torch.as_tensor(z, dtype=torch.float64).requires_grad_(True)
-        theta = theta.index_put((idx,), zt)
-        loss = _huber(law.log_predict(theta, X) - logy, delta)
+        loss = law.objective(base.index_put((idx,), zt), X, logy, delta)
         loss.backward()
         return float(loss.detach()), zt.grad.numpy().copy()
 
@@ -63,6 +61,78 @@ def _minimise(law: Law, X: dict, logy: torch.Tensor, x0: np.ndarray, free: np.nd
     theta = x0.copy()
     theta[free] = res.x
     return theta, float(res.fun)
+
+
+def _lbfgs_all(law: Law, X: dict, logy: torch.Tensor, starts: np.ndarray, free: np.ndarray, delta: float,
+               iters: int = 200, history: int = 10, ftol: float = 1e-12, gtol: float = 1e-10):
+    """L-BFGS from every row of ``starts`` at once (independent problems, one ``vmap``-ed objective per step over
+    the rows still running): two-loop recursion and a backtracking Armijo line search per row; frozen parameters
+    never move. A row stops when its line search fails or its objective or gradient stops moving.
+    Returns (thetas [K, P], objectives [K])."""
+    from torch.func import grad_and_value, vmap
+
+    both = vmap(grad_and_value(lambda th: law.objective(th, X, logy, delta)))
+    mask = torch.as_tensor(free, dtype=torch.float64)
+
+    def grad_value(Z):
+        g, f = both(Z)
+        return torch.nan_to_num(g * mask, nan=0.0), f
+
+    def dot(a, b):
+        return (a * b).sum(-1)
+
+    Z = torch.as_tensor(starts, dtype=torch.float64).clone()
+    g, f = grad_value(Z)
+    Z_all, f_all = Z.clone(), f.clone()
+    rows = torch.nonzero(torch.isfinite(f)).flatten()  # the rows still running; Z, f, g, hist hold only these
+    Z, f, g = Z[rows], f[rows], g[rows]
+    hist: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (s, y, rho), newest last
+    for _ in range(iters):
+        if len(rows) == 0:
+            break
+        q, alphas = g.clone(), []
+        for s_, y_, rho in reversed(hist):
+            a = rho * dot(s_, q)
+            q -= a[:, None] * y_
+            alphas.append(a)
+        if hist:
+            s_, y_, _ = hist[-1]
+            sy, yy = dot(s_, y_), dot(y_, y_)
+            q *= torch.where((sy > 0) & (yy > 0), sy / yy.clamp_min(1e-300), 1.0)[:, None]
+        for (s_, y_, rho), a in zip(hist, reversed(alphas)):
+            q += (a - rho * dot(y_, q))[:, None] * s_
+        d, slope = -q, -dot(q, g)
+        bad = ~(slope < 0)  # not a descent direction: steepest descent instead
+        d[bad], slope[bad] = -g[bad], -dot(g, g)[bad]
+        t = torch.ones_like(f) if hist else 1.0 / g.abs().sum(-1).clamp_min(1.0)  # a cautious first step
+        accepted, g_new, f_new = torch.zeros_like(f, dtype=torch.bool), g.clone(), f.clone()
+        for _ in range(50):  # halve each row's step until Armijo holds
+            g_try, f_try = grad_value(Z + t[:, None] * d)
+            new = ~accepted & torch.isfinite(f_try) & (f_try <= f + 1e-4 * t * slope)
+            g_new[new], f_new[new] = g_try[new], f_try[new]
+            accepted |= new
+            if bool(accepted.all()):
+                break
+            t = torch.where(accepted, t, t / 2)
+        step = torch.where(accepted, t, torch.zeros_like(t))[:, None] * d
+        y = torch.where(accepted[:, None], g_new - g, torch.zeros_like(g))
+        sy = dot(step, y)
+        hist = [*hist, (step, y, torch.where(sy > 1e-300, 1.0 / sy.clamp_min(1e-300), torch.zeros_like(sy)))][-history:]
+        keep = accepted & (f - f_new > ftol * f.abs()) & (g_new.abs().amax(-1) > gtol)
+        Z = torch.where(accepted[:, None], Z + step, Z)
+        f, g = torch.where(accepted, f_new, f), torch.where(accepted[:, None], g_new, g)
+        Z_all[rows], f_all[rows] = Z, f
+        if not bool(keep.all()):
+            rows, Z, f, g = rows[keep], Z[keep], f[keep], g[keep]
+            hist = [(s_[keep], y_[keep], rho[keep]) for s_, y_, rho in hist]
+    return Z_all.numpy(), f_all.numpy()
+
+
+def _best(thetas: np.ndarray, objectives: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the ``k`` lowest finite objectives; ties broken by the parameters, so row order never matters."""
+    finite = np.flatnonzero(np.isfinite(objectives))
+    keys = [thetas[finite, j] for j in reversed(range(thetas.shape[1]))] + [objectives[finite]]
+    return finite[np.lexsort(keys)[:k]]
 
 
 def heldout_corner(df: pd.DataFrame, inputs=("N", "D")) -> np.ndarray:
@@ -102,23 +172,17 @@ def fit_law(law: Law | str, df: pd.DataFrame, huber_delta: float | None = None, 
 
     frozen = law.frozen(Xn)
     free = np.array([p not in frozen for p in law.params])
-    starts = []
     lin = law.linear_init(Xn, y)
-    if lin is not None:
-        starts.append(lin)
-    grid = law.init_grid()
-    with torch.no_grad():  # rank the grid by its objective and start L-BFGS from the best few
-        scores = [float(_huber(law.log_predict(torch.as_tensor(g), X) - logy, delta)) for g in grid]
-    starts += [grid[i] for i in np.argsort(scores)[:top_k]]
-    best = None
-    for x0 in starts:
-        x0 = np.asarray(x0, dtype=np.float64).copy()
-        for p, v in frozen.items():
-            x0[law.params.index(p)] = v
-        theta, obj = _minimise(law, X, logy, x0, free, delta)
-        if np.isfinite(obj) and (best is None or obj < best[1]):
-            best = (theta, obj)
-    theta, obj = best
+    starts = np.array(law.init_grid() + ([] if lin is None else [lin]), dtype=np.float64)
+    for p, v in frozen.items():
+        starts[:, law.params.index(p)] = v
+    thetas, objectives = _lbfgs_all(law, X, logy, starts, free, delta)
+    polished = [_minimise(law, X, logy, thetas[i], free, delta) for i in _best(thetas, objectives, top_k)]
+    if not polished:
+        raise ValueError(f"{law.name}: the objective is not finite at any start; check the table's {law.inputs}")
+    thetas = np.array([t for t, _ in polished])
+    i = _best(thetas, np.array([o for _, o in polished]), 1)[0]
+    theta, obj = thetas[i], polished[i][1]
     pred = np.log(law.predict(theta, Xn))
     ly = np.log(y)
     ss_res, ss_tot = float(((ly - pred) ** 2).sum()), float(((ly - ly.mean()) ** 2).sum())
@@ -198,13 +262,17 @@ def main(argv=None) -> int:
     ap.add_argument("--where", action="append", default=[], help="column=value filters (repeatable)")
     ap.add_argument("--huber-delta", type=float, default=None)
     ap.add_argument("--out", default=None, help="output prefix: <out>.csv, <out>_fit.json, <out>_fit.md, <out>.png")
-    ap.add_argument("--wandb", action="store_true", help="also log the table, constants and plot to a W&B run")
+    ap.add_argument("--wandb", action="store_true",
+                    help="also log the table, constants and plot to a W&B run in the sweep's group (multirun/<dir name>)")
     args = ap.parse_args(argv)
-    run = None
-    if args.wandb:
-        import wandb
+    loggers = []
+    if args.wandb:  # the group the sweep's own runs have (callbacks/hydra_summary.run_group)
+        from lightning.pytorch.loggers import WandbLogger
 
-        run = wandb.init(project="paperlab", job_type="fit-law", name=f"fit-{args.law}", config=vars(args))
+        group = f"multirun/{Path(args.sources[0]).name}" if not args.sources[0].endswith(".csv") else None
+        loggers.append(WandbLogger(project="paperlab", group=group, job_type="fit-law", name=f"fit-{args.law}",
+                                   save_dir=args.out and str(Path(args.out).parent) or "."))
+        loggers[0].log_hyperparams(vars(args))
 
     if len(args.sources) == 1 and args.sources[0].endswith(".csv"):
         table, failures = pd.read_csv(args.sources[0]), []
@@ -231,14 +299,17 @@ def main(argv=None) -> int:
         out.with_name(out.name + "_fit.md").write_text(text)
         from sweeps.plot import plot_report
 
-        plot_report(table, report, out.with_name(out.name + ".png"))
+        plot_report(table, report, out.with_name(out.name + ".png"), loggers=loggers)
         print(f"wrote {out}.csv, {out}_fit.json, {out}_fit.md, {out}.png")
-    if run is not None:
+    if loggers:
         import wandb
 
-        run.log({"law/table": wandb.Table(dataframe=table.astype(str))})
-        run.summary.update({f"{name}/{k}": v for name, f in report["fits"].items() for k, v in f["constants"].items()})
-        run.finish()
+        from lightning_modules.common.dashboard import log_table
+
+        log_table("law/table", table.to_dict("records"), loggers)
+        loggers[0].experiment.summary.update({f"{name}/{k}": v for name, f in report["fits"].items()
+                                              for k, v in f["constants"].items()})
+        wandb.finish()
     return 0
 
 

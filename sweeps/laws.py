@@ -1,7 +1,7 @@
 """Scaling laws as small classes: parameters, a formula (in log space), initialisation.
 
 A law predicts ``log target`` from a table's input columns; ``sweeps/fit.py`` fits any law the same way
-(optional OLS start, then a Huber loss on log residuals minimised with L-BFGS from a grid of inits).
+(a Huber loss on log residuals minimised with L-BFGS from every point of a grid of inits, plus an optional OLS start).
 A new law is a subclass here: name its ``params``, ``inputs`` and ``target``, write ``log_predict`` in torch,
 and give ``init_grid`` (and ``linear_init`` when the law is linear in its parameters after taking logs).
 """
@@ -24,7 +24,16 @@ class Law:
     def log_predict(self, theta: torch.Tensor, X: Mapping[str, torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
 
+    def objective(self, theta: torch.Tensor, X: Mapping[str, torch.Tensor], logy: torch.Tensor,
+                  delta: float) -> torch.Tensor:
+        """What the fit minimises: a Huber loss on log residuals (override for another objective; it must be
+        plain torch on one ``theta``, as the fitter batches it over starts with ``torch.func.vmap``)."""
+        r = self.log_predict(theta, X) - logy
+        a = r.abs()
+        return torch.where(a <= delta, 0.5 * r ** 2, delta * (a - 0.5 * delta)).sum()
+
     def init_grid(self) -> list[np.ndarray]:
+        """Starting points over every parameter; the fit runs L-BFGS from each of them."""
         raise NotImplementedError
 
     def linear_init(self, X: Mapping[str, np.ndarray], y: np.ndarray) -> np.ndarray | None:
@@ -40,7 +49,7 @@ class Law:
 
     def predict(self, theta, X: Mapping[str, np.ndarray]) -> np.ndarray:
         t = torch.as_tensor(np.asarray(theta, dtype=np.float64))
-        Xt = {k: torch.as_tensor(np.asarray(X[k], dtype=np.float64)) for k in self.inputs}
+        Xt = {k: torch.tensor(np.asarray(X[k], dtype=np.float64)) for k in self.inputs}  # a copy: inputs may be read-only
         return torch.exp(self.log_predict(t, Xt)).numpy()
 
 

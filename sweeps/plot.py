@@ -1,4 +1,4 @@
-"""Fitted law curves against the measured points (PNG; also to W&B when a wandb run is active).
+"""Fitted law curves against the measured points (PNG; also to the given loggers, e.g. the sweep's W&B run).
 
 ``plot_report(table, report, path)``: for the QAT report one panel per quantized precision (δ against D, log-log,
 one colour per N, one marker per G, the fitted law as lines through the measured D range) plus, when fitted,
@@ -44,7 +44,7 @@ def _ax_law(ax, table: pd.DataFrame, fit: dict | None, law_name: str, target: st
     ax.set_xlabel("D (training tokens)")
 
 
-def plot_report(table: pd.DataFrame, report: dict, path, wandb_key: str = "qat_law/fit"):
+def plot_report(table: pd.DataFrame, report: dict, path, wandb_key: str = "qat_law/fit", loggers=()):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -72,19 +72,8 @@ def plot_report(table: pd.DataFrame, report: dict, path, wandb_key: str = "qat_l
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    log_to_wandb(fig, wandb_key)
-    plt.close(fig)
+    from lightning_modules.common.dashboard import log_figure
+
+    log_figure(wandb_key, fig, loggers)  # closes it
     return path
 
-
-def log_to_wandb(fig, key: str) -> bool:
-    import sys
-
-    if "wandb" not in sys.modules:
-        return False
-    import wandb
-
-    if wandb.run is None:
-        return False
-    wandb.log({key: wandb.Image(fig)})
-    return True

@@ -18,12 +18,17 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/paper
 import pytest  # noqa: E402
 
 
-@pytest.fixture(scope="session")
-def tiny_lm_dir():
-    """The cached tiny pretrained model (trained once, ~90 s, on a fresh machine)."""
-    from lightning_modules.common.tiny_pretrained import tiny_pretrained_dir
+@pytest.fixture(scope="session", autouse=True)
+def tiny_models():
+    """Every cached tiny model of this checkout, built once per test run (~90 s each on a fresh machine)."""
+    from datamodules.common.tiny_models import TINY_MODELS, build
 
-    return tiny_pretrained_dir()
+    return {name: build(name) for name in TINY_MODELS}
+
+
+@pytest.fixture(scope="session")
+def tiny_lm_dir(tiny_models):
+    return tiny_models["tiny-lm"]
 
 
 @pytest.fixture(scope="session")

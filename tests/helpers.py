@@ -10,6 +10,7 @@ CONF = ROOT / "conf"
 
 
 def experiments() -> list[str]:
+    """The runnable experiments: conf/experiment/*.yaml (family bases in conf/experiment/base/ are not ones)."""
     return sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 
 
@@ -20,7 +21,7 @@ def compose(experiment: str, overrides: list[str] = (), output_dir: str | Path |
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
 
-    from lightning_modules.common.runner import register_resolvers
+    from runner import register_resolvers
 
     register_resolvers()
     GlobalHydra.instance().clear()
@@ -38,7 +39,7 @@ def run_experiment(experiment: str, tmp_path, overrides: list[str] = ("debug=smo
     """Run one experiment in-process; returns (optimized metric, metrics.json contents)."""
     import json
 
-    from lightning_modules.common.runner import run
+    from runner import run
 
     cfg = compose(experiment, [*overrides, f"logger={logger}", "callbacks.progress_bar=null"], output_dir=tmp_path)
     value = run(cfg)

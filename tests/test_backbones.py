@@ -120,8 +120,9 @@ def test_tiny_backbone_forward_and_train_step(name):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     before = [p.detach().clone() for p in model.parameters()]
     out.loss.backward()
-    grads = [p.grad for p in model.parameters() if p.requires_grad]
-    assert all(g is not None and torch.isfinite(g).all() for g in grads if g is not None)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert not [n for n, g in grads.items() if g is None], "every trainable parameter gets a gradient"
+    assert all(torch.isfinite(g).all() for g in grads.values())
     opt.step()
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
     with torch.no_grad():

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(overrides, tmp_path):
-    from lightning_modules.common.runner import run
+    from runner import run
 
     return run(compose("lm_tiny", [*overrides, "callbacks.progress_bar=null"], output_dir=tmp_path))
 
@@ -57,7 +57,7 @@ def test_unknown_experiment_lists_known_ones():
     (["ckpt_path=/no/such.ckpt"], "ckpt_path='/no/such.ckpt' does not exist"),
 ])
 def test_bad_config_fails_fast_with_one_line(overrides, match, tmp_path):
-    from lightning_modules.common.runner import ConfigError
+    from runner import ConfigError
 
     with pytest.raises(Exception, match=match.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")) as info:
         _run(overrides, tmp_path)
@@ -68,7 +68,7 @@ def test_bad_config_fails_fast_with_one_line(overrides, match, tmp_path):
 
 
 def test_deepspeed_on_cpu_allowed_only_when_asked(tmp_path):
-    from lightning_modules.common.runner import check_config
+    from runner import check_config
 
     cfg = compose("lm_tiny", ["trainer=deepspeed_zero3", "trainer.accelerator=cpu", "+allow_deepspeed_cpu=true",
                               "trainer.strategy._target_=tests.deepspeed_cpu.CPUDeepSpeedStrategy"])

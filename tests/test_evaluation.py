@@ -142,9 +142,14 @@ def manual_greedy(model, tok, prompt: str, n: int) -> str:
 def test_greedy_generate_matches_a_manual_argmax_loop_with_left_padding(tiny):
     model, tok = tiny
     prompts = ["The sky is", "Return the number of items in a container. The", "x"]
-    got = greedy_generate(model, tok, prompts, max_new_tokens=8)  # prompts of different lengths: left-padded
+    original = tok.padding_side
+    tok.padding_side = "right"  # generation needs left padding: the function must switch and switch back
+    try:
+        got = greedy_generate(model, tok, prompts, max_new_tokens=8)  # prompts of different lengths: left-padded
+        assert tok.padding_side == "right"  # restored
+    finally:
+        tok.padding_side = original
     assert got == [manual_greedy(model, tok, p, 8) for p in prompts]
-    assert tok.padding_side == "right" or tok.padding_side == "left"  # restored, whatever it was
 
 
 # --- string scoring -------------------------------------------------------------------------------

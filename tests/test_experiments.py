@@ -63,7 +63,7 @@ def test_experiment_composes_and_resolves(name, tmp_path):
     assert text.lstrip().startswith("# @package _global_"), f"conf/experiment/{name}.yaml must start with '# @package _global_'"
     cfg = compose(name, [], output_dir=tmp_path)
     plain = resolved(cfg)
-    from lightning_modules.common.runner import TASKS, check_config
+    from runner import TASKS, check_config
 
     assert plain["task"] in TASKS
     assert isinstance(plain["seed"], int)

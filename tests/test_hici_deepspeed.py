@@ -76,3 +76,33 @@ def test_hici_clip_survives_deepspeed_zero(stage, tmp_path):
         torch.testing.assert_close(d, g, atol=1e-5, rtol=1e-3)
     if stage == 3:
         assert seen["p.grad_is_full"] is False  # what makes the DeepSpeed accessors necessary
+
+
+def test_long_context_eval_on_every_rank_under_two_process_zero3(tmp_path, tiny_lm_dir):
+    """ZeRO-3 with 2 CPU processes: the long-context evaluation runs on every rank, and its figures equal a
+    single-process recomputation from the converted checkpoint's `full` model (see tests/test_hici_fsdp.py)."""
+    import json
+
+    from hydra.utils import instantiate
+    from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+    from tests.helpers import compose
+    from tests.test_hici import SMOKE, full_model_figures
+    from tests.test_strategies import STRATEGIES, run_py
+
+    run_dir = tmp_path / "zero3"
+    proc = run_py(["experiment=hici_tiny", *SMOKE, *STRATEGIES["deepspeed_zero3"], "trainer.max_steps=4",
+                   "trainer.val_check_interval=4", "logger=csv"], run_dir)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["status"] == "ok" and metrics["global_step"] == 4
+    assert not (run_dir / "hf_full").exists()  # not exported under ZeRO-3 (a warning says how)
+    convert_zero_checkpoint_to_fp32_state_dict(str(run_dir / "checkpoints" / "last.ckpt"), str(tmp_path / "fp32.ckpt"))
+    cfg = compose("hici_tiny", list(SMOKE))  # the run's model and data (the strategy does not enter them)
+    module = instantiate(cfg.model, _convert_="all")
+    module.configure_model()
+    module.load_state_dict(torch.load(tmp_path / "fp32.ckpt", map_location="cpu", weights_only=False)["state_dict"])
+    module.full_model().save_pretrained(run_dir / "hf_full")
+    instantiate(cfg.data, _convert_="all").tokenizer.save_pretrained(run_dir / "hf_full")
+    want = full_model_figures(run_dir, SMOKE, "hici_tiny")
+    assert {k: metrics["results"][k] for k in want} == pytest.approx(want, rel=1e-4)

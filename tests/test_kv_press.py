@@ -1,13 +1,17 @@
-"""The shared KV-cache press interface (lightning_modules/common/kv_press.py): the cache contract, every scorer's
-ranking semantics against planted ground truth, and every scorer x wrapper on one tiny backbone."""
+"""The shared KV-cache press interface (lightning_modules/common/kv_press.py): the cache contract, the baselines'
+ranking semantics against planted ground truth, the small-budget edge cases, and every press config x wrapper config
+(conf/model/press, conf/model/press_wrapper) on one tiny backbone. ManifoldKV's own tests: tests/test_manifoldkv.py."""
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
-from lightning_modules.common.kv_press import (SCORERS, AdaKV, Block, KeyDiff, KNorm, ManifoldKV, Random, SnapKV,
-                                               StreamingLLM, WindowedManifoldKV, build_press, prefill_and_answer)
+from lightning_modules.common.kv_press import (AdaKV, Block, KeyDiff, KNorm, ScorerPress, SnapKV, StreamingLLM,
+                                               prefill_and_answer)
 
+CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 L_CTX = 40
 
 
@@ -70,7 +74,7 @@ def test_ratio_zero_is_identity(model, ids):
     ref = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=context, cache=ref, use_cache=True)
-    for press in (ManifoldKV(0.0), AdaKV(press=KeyDiff(0.0)), Block(press=SnapKV(0.0))):
+    for press in (KNorm(0.0), AdaKV(press=KeyDiff(0.0)), Block(press=SnapKV(0.0))):
         cache = prefill(model, context, press)
         for a, b in zip(ref.layers, cache.layers):
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
@@ -79,95 +83,19 @@ def test_ratio_zero_is_identity(model, ids):
 def test_question_appended_after_compression_decodes_at_the_right_positions(model, ids):
     context, question = ids
     # uncompressed: identical to greedy decoding of context + question as one sequence (positions continue at L)
-    out = prefill_and_answer(model, ManifoldKV(0.0), context, [question, question], max_new_tokens=5)
+    out = prefill_and_answer(model, KeyDiff(0.0), context, [question, question], max_new_tokens=5)
     expected = greedy_reference(model, torch.cat([context[0], question]), 5)
-    assert out.answers == [expected, expected]  # the cache was cropped back between the two questions
+    assert out.answers == [expected, expected]  # the cache was restored between the two questions
     # compressed: the question runs on the shortened cache, one compressed context serves both questions
-    out = prefill_and_answer(model, ManifoldKV(0.5), context, [question, question[:3]], max_new_tokens=4,
+    out = prefill_and_answer(model, KeyDiff(0.5), context, [question, question[:3]], max_new_tokens=4,
                              gold=[question[:2], question[:2]])
     assert [len(a) for a in out.answers] == [4, 4]
     assert out.summary["kv_kept_fraction"] == pytest.approx(int(L_CTX * 0.5) / L_CTX)
     assert all(torch.isfinite(torch.tensor(x)) for x in out.answer_nll)
 
 
-def _score(press, keys):
+def score_of(press, keys):
     return press.score(SimpleNamespace(layer_idx=0), None, keys, keys, {})
-
-
-def test_manifoldkv_ranks_exactly_opposite_to_knorm_on_plus_minus_pairs():
-    g = torch.Generator().manual_seed(0)
-    half = torch.randn(1, 2, 16, 8, generator=g) * torch.linspace(0.5, 3, 16).view(1, 1, 16, 1)
-    keys = torch.cat([half, -half], dim=2)  # centroid exactly 0 in every head
-    m, k = _score(ManifoldKV(0.5), keys), _score(KNorm(0.5), keys)
-    torch.testing.assert_close(m, keys.norm(dim=-1))
-    torch.testing.assert_close(m, -k)
-    keep_m = set(m[0, 0].topk(16).indices.tolist())
-    keep_k = set(k[0, 0].topk(16).indices.tolist())
-    assert keep_m.isdisjoint(keep_k) and len(keep_m | keep_k) == 32  # complementary halves
-
-
-def test_radial_outlier_kept_by_manifoldkv_and_evicted_by_keydiff():
-    g = torch.Generator().manual_seed(0)
-    d, n = 16, 64
-    mu = torch.randn(d, generator=g)
-    mu = mu / mu.norm() * 2
-    perp = torch.randn(d, generator=g)
-    perp = perp - (perp @ mu) / (mu @ mu) * mu
-    cluster = mu + 0.05 * torch.randn(n, d, generator=g)
-    radial, angular = 10 * mu, mu + perp / perp.norm()
-    keys = torch.cat([cluster, radial[None], angular[None]]).view(1, 1, n + 2, d)
-    m, kd = _score(ManifoldKV(0.5), keys)[0, 0], _score(KeyDiff(0.5), keys)[0, 0]
-    assert set(m.topk(2).indices.tolist()) == {n, n + 1}  # both outliers on top for L2
-    assert int(kd.argmin()) == n                           # cosine sees 10*mu as the most typical key
-    assert int(kd.argmax()) == n + 1                       # but it does see the angular one
-    n_kept = int((n + 2) * 0.5)
-    assert n in m.topk(n_kept).indices.tolist() and n not in kd.topk(n_kept).indices.tolist()
-
-
-def test_windowed_manifoldkv_finds_each_topic_outlier_and_reduces_to_global():
-    g = torch.Generator().manual_seed(0)
-    d, half = 16, 32
-    axis = torch.zeros(d)
-    axis[0] = 1.0
-    mu_a, mu_b = -5 * axis, 5 * axis
-    a = mu_a + torch.randn(half, d, generator=g) * torch.tensor([0.1] + [0.05] * (d - 1))
-    b = mu_b + torch.randn(half, d, generator=g) * torch.tensor([0.1] + [0.05] * (d - 1))
-    off = torch.zeros(d)
-    off[3] = 1.0
-    a[7], b[20] = mu_a + off, mu_b - off  # one mild outlier per topic, off the topic axis
-    keys = torch.cat([a, b]).view(1, 1, 2 * half, d)
-    outliers = {7, half + 20}
-    glob = _score(ManifoldKV(0.5), keys)[0, 0]
-    win = _score(ManifoldKV(0.5, window_size=half), keys)[0, 0]
-    assert set(win.topk(2).indices.tolist()) == outliers
-    assert set(glob.topk(2).indices.tolist()) != outliers  # the diluted global centroid misranks them
-    for w in (2 * half, 10 * half):
-        assert torch.equal(_score(ManifoldKV(0.5, window_size=w), keys), _score(ManifoldKV(0.5), keys))
-    assert WindowedManifoldKV(0.5).window_size == 4096  # the paper's window
-    assert torch.equal(_score(WindowedManifoldKV(0.5, window_size=half), keys)[0, 0], win)
-    # a trailing partial window gets its own centroid
-    part = _score(ManifoldKV(0.5, window_size=40), keys)[0, 0]
-    tail = keys[0, 0, 40:]
-    torch.testing.assert_close(part[40:], (tail - tail.mean(0)).norm(dim=-1))
-
-
-def test_adakv_budget_per_layer_and_masked_count():
-    g = torch.Generator().manual_seed(0)
-    H, L, ratio, alpha = 4, 50, 0.6, 0.2
-    spread = torch.tensor([4.0, 1.0, 0.5, 0.1]).view(1, H, 1, 1)
-    keys = torch.randn(1, H, L, 8, generator=g) * spread
-    module = SimpleNamespace(layer_idx=0)
-    press = AdaKV(press=ManifoldKV(ratio), alpha_safeguard=alpha)
-    k2, v2 = press.compress(module, None, keys, keys, {})
-    assert k2 is keys  # nothing physically removed
-    n_kept = int(L * (1 - ratio))
-    evicted = module.press_evicted
-    assert int(evicted.sum()) == H * (L - n_kept)            # masked count = layer budget
-    kept = L - evicted.sum(-1)[0]
-    assert int(kept.sum()) == H * n_kept and (kept >= int(n_kept * alpha)).all()
-    assert kept[0] > n_kept > kept[3]                         # the spread-out head gets more budget
-    top = ManifoldKV(ratio).score(module, None, keys, keys, {})[0, 3].topk(int(n_kept * alpha)).indices
-    assert not evicted[0, 3, top].any()                       # the safeguard tokens of every head survive
 
 
 def test_adakv_masking_equals_physical_eviction_when_budgets_are_uniform(model, ids):
@@ -192,7 +120,7 @@ def test_block_with_a_static_score_equals_global_selection(model, ids):
 
 
 def test_streaming_keeps_sinks_and_recent():
-    s = _score(StreamingLLM(0.5, n_sink=4), torch.randn(1, 1, 20, 4))[0, 0]
+    s = score_of(StreamingLLM(0.5, n_sink=4), torch.randn(1, 1, 20, 4))[0, 0]
     assert s.topk(10).indices.sort().values.tolist() == [0, 1, 2, 3, 14, 15, 16, 17, 18, 19]
 
 
@@ -218,62 +146,157 @@ def test_snapkv_keeps_the_attended_key(model, ids):
     assert all(set(range(L_CTX - 8, L_CTX)) <= set(row.tolist()) for row in kept)
 
 
-@pytest.mark.parametrize("wrapper", [None, "adakv", "block"])
-@pytest.mark.parametrize("name", sorted(SCORERS))
-def test_every_scorer_with_every_wrapper_runs_on_a_tiny_backbone(model, ids, name, wrapper):
+
+
+def test_keydiff_and_knorm_match_their_formulas():
+    keys = torch.randn(2, 3, 30, 8, generator=torch.Generator().manual_seed(5))
+    unit = keys / keys.norm(dim=-1, keepdim=True)
+    anchor = unit.mean(dim=-2, keepdim=True)
+    cos = (unit * anchor).sum(-1) / anchor.norm(dim=-1)
+    torch.testing.assert_close(score_of(KeyDiff(0.5), keys), -cos)
+    torch.testing.assert_close(score_of(KNorm(0.5), keys), -keys.norm(dim=-1))
+
+
+# --- small budgets (each a bug once) --------------------------------------------------------------------
+def kept_positions(full_layer, layer):
+    """Per head, the context positions a compressed cache layer kept (matched against the full cache)."""
+    match = (layer.keys[0, :, :, None] == full_layer.keys[0, :, None]).all(-1)  # heads x kept x L
+    return [sorted(match[h].float().argmax(-1).tolist()) for h in range(match.shape[0])]
+
+
+def test_snapkv_always_keeps_its_window_even_when_the_budget_equals_it(model, ids):
+    """SnapKV(0.75, window_size=8) on 32 tokens keeps exactly the 8 window tokens in every head: the window is padded
+    strictly above every prefix score (padding with the max let the best prefix token tie and displace it)."""
+    context = ids[0][:, :32]
+    full, cache = prefill(model, context, KNorm(0.0)), prefill(model, context, SnapKV(0.75, window_size=8))
+    for full_layer, layer in zip(full.layers, cache.layers):
+        assert kept_positions(full_layer, layer) == [list(range(24, 32))] * 2
+    # the scores themselves: the window strictly above every prefix token, its most recent tokens highest
+    captured = {}
+    attn = model.model.layers[0].self_attn
+    h = attn.register_forward_hook(lambda m, a, kw, o: captured.update(kw=kw), with_kwargs=True)
+    prefill(model, context, KNorm(0.0))
+    h.remove()
+    keys = full.layers[0].keys
+    s = SnapKV(0.75, window_size=8).score(attn, captured["kw"]["hidden_states"], keys, keys, captured["kw"])
+    assert (s[..., 24:].amin(-1) > s[..., :24].amax()).all() and (s[..., 24:].diff(dim=-1) > 0).all()
+    kept = s.topk(4, dim=-1).indices.sort(dim=-1).values  # a budget below the window keeps its most recent tokens
+    assert kept.tolist() == [[[28, 29, 30, 31]] * 2]
+
+
+def test_tiny_context_keeps_one_token_and_a_question_is_never_compressed(model, ids):
+    """KNorm(0.9) on 5 tokens keeps max(1, int(0.5)) = 1 per head; the question forward that follows (positions 5..)
+    is appended, never taken for a prefill, even on a cache emptied by hand (the first position tells, not the size)."""
+    context, question = ids[0][:, :5], ids[1][:3].view(1, -1)
+    press = KNorm(0.9)
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with press(model), torch.no_grad():
+        model(input_ids=context, cache=cache, use_cache=True)
+        assert [layer.keys.shape[-2] for layer in cache.layers] == [1, 1]
+        model(input_ids=question, position_ids=torch.arange(5, 8)[None], cache=cache, use_cache=True)
+        assert [layer.keys.shape[-2] for layer in cache.layers] == [4, 4]  # 1 kept + 3 question tokens, uncompressed
+        for layer in cache.layers:  # an empty cache: still no prefill, the question starts at position 5
+            layer.keys, layer.values = layer.keys[:, :, :0], layer.values[:, :, :0]
+        model(input_ids=question, position_ids=torch.arange(5, 8)[None], cache=cache, use_cache=True)
+        assert [layer.keys.shape[-2] for layer in cache.layers] == [3, 3]
+    out = prefill_and_answer(model, KNorm(0.9), context, [question[0]], max_new_tokens=3, gold=[question[0, :2]])
+    assert out.summary["kv_kept_fraction"] == pytest.approx(1 / 5) and len(out.answers[0]) == 3
+
+
+def test_adakv_safeguard_keeps_at_least_one_token_per_head():
+    """L=8, two heads, head 0 scaled x10: KNorm scores all of head 0 below head 1, and int(4 * 0.2) = 0 would leave
+    head 0 empty ([0, 8]); the safeguard floor of 1 keeps head 0's lowest-norm key: [1, 7]."""
+    keys = torch.randn(1, 2, 8, 16, generator=torch.Generator().manual_seed(0))
+    keys[:, 0] *= 10
+    module = SimpleNamespace(layer_idx=0)
+    AdaKV(press=KNorm(0.5)).compress(module, None, keys, keys, {})
+    kept = ~module.press_evicted[0]
+    assert kept.sum(-1).tolist() == [1, 7]
+    assert kept[0].nonzero().item() == int(keys[0, 0].norm(dim=-1).argmin())
+    with pytest.raises(ValueError, match="alpha_safeguard"):
+        AdaKV(press=KNorm(0.5), alpha_safeguard=1.5)
+
+
+# --- every press and wrapper config -----------------------------------------------------------------------
+PRESSES = sorted(p.stem for p in (CONF / "press").glob("*.yaml"))
+WRAPPERS = [None, *sorted(p.stem for p in (CONF / "press_wrapper").glob("*.yaml"))]
+
+
+def press_from_configs(name: str, wrapper: str | None, ratio: float = 0.3):
+    """The press the module gets for ``model/press=<name> model/press_wrapper=<wrapper>``, with small windows."""
+    from hydra.utils import instantiate
+
+    cfg = OmegaConf.load(CONF / "press" / f"{name}.yaml")
+    cfg.compression_ratio = ratio
+    if "window_size" in cfg:
+        cfg.window_size = 8  # SnapKV's observation window, ManifoldKV's centroid window
+    press = instantiate(cfg)
+    if wrapper is None:
+        return press
+    wcfg = OmegaConf.load(CONF / "press_wrapper" / f"{wrapper}.yaml")
+    if "block_size" in wcfg:
+        wcfg.block_size = 16
+    return instantiate(wcfg)(press=press)
+
+
+@pytest.mark.parametrize("wrapper", WRAPPERS)
+@pytest.mark.parametrize("name", PRESSES)
+def test_every_press_with_every_wrapper_runs_on_a_tiny_backbone(model, ids, name, wrapper):
     context, question = ids
-    press = build_press(name, 0.3, wrapper=wrapper, block_size=16, snap_window=8, window_size=16)
+    press = press_from_configs(name, wrapper)
+    assert isinstance(press.press if wrapper else press, ScorerPress)
     out = prefill_and_answer(model, press, context, [question], max_new_tokens=3, gold=[question[:2]])
     assert len(out.answers[0]) == 3 and torch.isfinite(torch.tensor(out.answer_nll[0]))
     n_kept = int(L_CTX * 0.7)
     assert out.summary["kv_kept_fraction"] == pytest.approx(n_kept / L_CTX)
     assert set(out.summary["kept_per_head"]) == {0, 1}
+    # spec() is the press as config data again: it instantiates back to an equal press
+    from hydra.utils import instantiate
+
+    spec = press.spec()
+    assert spec["_target_"].endswith(type(press).__name__) and instantiate(spec) == press
 
 
-def test_build_press_errors_name_the_fix():
-    with pytest.raises(ValueError, match="press.name"):
-        build_press("h2o", 0.2)
-    with pytest.raises(ValueError, match="press.wrapper"):
-        build_press("keydiff", 0.2, wrapper="chunk")
-    with pytest.raises(ValueError, match="not fields of any press"):
-        build_press("keydiff", 0.2, windowsize=3)
+def test_the_press_configs_cover_the_baselines_and_wrappers_need_a_scorer():
+    assert {"keydiff", "knorm", "snapkv", "streaming", "random"} <= set(PRESSES)
+    assert {"adakv", "block"} <= set(WRAPPERS[1:])
+    with pytest.raises(ValueError, match="wraps a scorer press"):
+        AdaKV(press=Block(press=KNorm(0.5)))
     with pytest.raises(ValueError, match="fraction removed"):
-        build_press("manifoldkv", 1.0)
-    p = build_press("snapkv", 0.2, window_size=4096, snap_window=32, alpha_safeguard=0.2)
-    assert isinstance(p, SnapKV) and p.window_size == 32  # ManifoldKV's window is not SnapKV's
-    p = build_press("manifoldkv", 0.2, wrapper="adakv", window_size=4096, alpha_safeguard=0.3, n_sink=4)
-    assert isinstance(p, AdaKV) and p.press.window_size == 4096 and p.alpha_safeguard == 0.3
-    assert isinstance(build_press("random", 0.2, seed=3), Random)
+        KNorm(1.0)
 
 
-def test_pre_rope_variant_scores_the_unrotated_keys(model, ids):
-    """pre_rope=True undoes the rotation exactly: on cached (rotated) keys it equals ManifoldKV on the raw k_proj keys."""
-    context, _ = ids
-    attn = model.model.layers[1].self_attn
-    captured = {}
-    h = attn.register_forward_hook(lambda m, a, kw, o: captured.update(kw=kw), with_kwargs=True)
-    cache = prefill(model, context, KNorm(0.0))
-    h.remove()
-    kw = captured["kw"]
-    raw = attn.k_proj(kw["hidden_states"]).view(1, L_CTX, 2, 16).transpose(1, 2)
-    rotated = cache.layers[1].keys
-    assert not torch.allclose(rotated, raw, atol=1e-3)
-    pre = ManifoldKV(0.5, pre_rope=True).score(attn, kw["hidden_states"], rotated, rotated, kw)
-    torch.testing.assert_close(pre, ManifoldKV(0.5).score(attn, None, raw, raw, {}), atol=1e-4, rtol=1e-4)
-    # inside Block every scored key is unrotated with its own position
-    blocked = prefill(model, context, Block(press=ManifoldKV(0.5, pre_rope=True), block_size=64))
-    plain = prefill(model, context, ManifoldKV(0.5, pre_rope=True))
-    assert torch.equal(blocked.layers[1].keys, plain.layers[1].keys)
-    prefill(model, context, Block(press=ManifoldKV(0.5, pre_rope=True), block_size=8))  # partial blocks run
+TEXT = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, max_position_embeddings=256)
+SLIDING = {  # model_type -> (config, layers a press compresses on a 40-token context)
+    "gemma3_text": (dict(**TEXT, num_hidden_layers=6, sliding_window=16), [5]),  # window < context: global layer only
+    "gemma3": (dict(mm_tokens_per_image=4, text_config=dict(**TEXT, num_hidden_layers=6, sliding_window=16),
+                    vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                       image_size=56, patch_size=14, vision_use_head=False)), [5]),  # as released
+    "ministral": (dict(**TEXT, num_hidden_layers=4, sliding_window=64,
+                       layer_types=["full_attention"] + ["sliding_attention"] * 3), [0, 1, 2, 3]),  # window > context
+}
 
 
-def test_distance_ablation_variants_match_their_formulas():
-    keys = torch.randn(2, 3, 30, 8, generator=torch.Generator().manual_seed(5))
-    diff = keys - keys.mean(dim=-2, keepdim=True)
-    torch.testing.assert_close(_score(ManifoldKV(0.5, distance="l1"), keys), diff.abs().sum(-1))
-    torch.testing.assert_close(_score(ManifoldKV(0.5, distance="linf"), keys), diff.abs().max(-1).values)
-    mu = keys.mean(dim=-2, keepdim=True)
-    cos = (keys * mu).sum(-1) / (keys.norm(dim=-1) * mu.norm(dim=-1))
-    torch.testing.assert_close(_score(ManifoldKV(0.5, distance="cosine"), keys), -cos)
-    with pytest.raises(ValueError, match="choose l2"):
-        _score(ManifoldKV(0.5, distance="l3"), keys)
+@pytest.mark.parametrize("model_type", sorted(SLIDING))
+def test_sliding_window_models_compress_the_layers_that_hold_the_context(ids, model_type):
+    """Gemma-3 (1024-token windows, here 16) and Ministral (32K windows, here 64) on a 40-token context."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config, compressed = SLIDING[model_type]
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, **config)
+    sliding = AutoModelForCausalLM.from_config(cfg).eval()
+    context, question = ids
+    out = prefill_and_answer(sliding, KNorm(0.5), context, [question, question], max_new_tokens=3,
+                             gold=[question[:2], question[:2]])
+    assert sorted(out.summary["kept_per_head"]) == compressed and out.summary["kv_kept_fraction"] == 0.5
+    assert out.answers[0] == out.answers[1] and out.answer_nll[0] == out.answer_nll[1]  # context restored each time
+    # uncompressed, through the sliding layers: the answer NLL of one plain forward over context + question + answer
+    full = prefill_and_answer(sliding, KNorm(0.0), context, [question], max_new_tokens=2, gold=[question[:2]])
+    with torch.no_grad():
+        logp = sliding(input_ids=torch.cat([context[0], question, question[:2]])[None]).logits[0].log_softmax(-1)
+    reference = -logp[-3:-1].gather(-1, question[:2].view(-1, 1)).mean().item()
+    assert full.answer_nll[0] == pytest.approx(reference, abs=1e-4)

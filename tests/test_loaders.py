@@ -91,22 +91,23 @@ def test_text_datamodule_on_local_files(tmp_path, tiny_tokenizer, monkeypatch):
     dm = TextDataModule(tiny_tokenizer, source="files", files=str(tmp_path / "*.jsonl"), seq_len=32,
                         batch_size=4, val_fraction=0.1, seed=0)
     dm.setup("fit")
-    train, val = dm.split_tokens()
+    tokens = dm.split_tokens()
+    train, val, test = tokens["train"], tokens["val"], tokens["test"]
     eos = tiny_tokenizer.eos_token_id
-    all_tokens = np.concatenate([train, val])
+    all_tokens = np.concatenate([train, val, test])
     assert int((all_tokens == eos).sum()) == len(docs)  # every document once, each closed by EOS
-    assert len(train) > len(val) > 0
+    assert len(train) > len(val) > 0 and len(train) > len(test) > 0
     assert len(dm.train_set) == len(train) // 32
     # the packed blocks are the token stream, in order, decoded back to the documents' text
     block = dm.train_set[1]["input_ids"]
     assert block.tolist() == train[32:64].tolist()
-    text = tiny_tokenizer.decode(np.concatenate([train, val]).tolist())
+    text = tiny_tokenizer.decode(all_tokens.tolist())
     assert sorted(t for t in text.split(tiny_tokenizer.eos_token) if t) == sorted(docs)
     # cached: a second module reads the same arrays from disk
     assert any((tmp_path / "cache" / "tokens").glob("*.npz"))
     dm2 = TextDataModule(tiny_tokenizer, source="files", files=str(tmp_path / "*.jsonl"), seq_len=32, val_fraction=0.1)
-    t2, v2 = dm2.split_tokens()
-    assert np.array_equal(t2, train) and np.array_equal(v2, val)
+    t2 = dm2.split_tokens()
+    assert all(np.array_equal(t2[s], tokens[s]) for s in tokens)
 
 
 def test_text_datamodule_bad_record_fails_at_setup(tmp_path, tiny_tokenizer, monkeypatch):

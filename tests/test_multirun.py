@@ -1,5 +1,6 @@
-"""``python run.py -m``: three jobs, one made to fail; the others finish with their own results, the failure is
-recorded in its metrics.json and named in the sweep's summary.json, and the process exits non-zero."""
+"""``python run.py -m`` as the README types it (no ``hydra.*`` override, only ``paths.log_dir``): three jobs, one
+made to fail; the others finish with their own results, the failure is recorded in its metrics.json and named in
+the sweep's summary.json (in ``<log_dir>/multirun/<experiment>``), and the process exits non-zero."""
 from __future__ import annotations
 
 import json
@@ -13,11 +14,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_multirun_one_failing_job(tmp_path):
-    sweep = tmp_path / "sweep"
+    sweep = tmp_path / "multirun" / "lm_tiny"  # the sweep dir comes from the typed experiment, at sweep time
     cmd = [sys.executable, "run.py", "-m", "experiment=lm_tiny", "debug=smoke", "task=fit", "trainer.max_steps=6",
            "trainer.val_check_interval=3", "data.max_val_sequences=8", "callbacks.progress_bar=null",
            "model.optimizer.lr=0.003,-1.0,0.002",  # a negative learning rate: AdamW refuses it at setup
-           f"hydra.sweep.dir={sweep}"]
+           f"paths.log_dir={tmp_path}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode != 0, "a sweep with a failed job must exit non-zero"
@@ -42,3 +43,29 @@ def test_multirun_one_failing_job(tmp_path):
         assert (dirs[lr] / "checkpoints" / "last.ckpt").exists()
         finals[lr] = m["final"]["train/loss"]
     assert finals["0.003"] != finals["0.002"]  # each job ran its own config, not a copy of another's
+
+
+def test_sweep_experiment_names_the_typed_sweep():
+    from callbacks.hydra_summary import sweep_experiment
+
+    assert sweep_experiment(["experiment=hici_tiny", "seed=1,2"], "hici_tiny") == "hici_tiny"
+    assert sweep_experiment(["seed=1,2"], "lm_tiny") == "lm_tiny"  # the default experiment
+    assert sweep_experiment(["experiment=lm_tiny,llr_tiny", "seed=1"], "lm_tiny") == "lm_tiny+llr_tiny"
+    assert sweep_experiment(["experiment=choice(a,b)"], "lm_tiny") == "a+b"
+
+
+def test_a_swept_experiment_keeps_one_sweep_dir(tmp_path):
+    """Each job resolves hydra.sweep.dir in its own config; the sweep-time value must win, or the jobs of
+    ``experiment=a,b`` scatter over multirun/a and multirun/b while summary.json lands in a third dir.
+    Both jobs stop in the config check (FSDP over one device), so this costs two imports, not two trainings."""
+    cmd = [sys.executable, "run.py", "-m", "experiment=lm_tiny,llr_tiny", "trainer=fsdp", "trainer.devices=1",
+           f"paths.log_dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0
+    sweep = tmp_path / "multirun" / "lm_tiny+llr_tiny"
+    assert [p.name for p in (tmp_path / "multirun").iterdir()] == [sweep.name]
+    summary = json.loads((sweep / "summary.json").read_text())
+    assert summary["failed"] == 2
+    assert sorted(Path(j["dir"]).relative_to(sweep).parts[0] for j in summary["jobs"]) == ["llr_tiny", "lm_tiny"]
+    assert all("shards nothing" in j["status"] for j in summary["jobs"])

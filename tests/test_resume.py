@@ -139,7 +139,7 @@ def test_seeds_get_their_own_run_dirs():
 
 
 def test_long_override_lists_get_a_bounded_deterministic_dir_name():
-    from lightning_modules.common.runner import run_dirname
+    from runner import run_dirname
 
     long_a = ",".join(f"trainer.strategy.option_{i}=value_{i}" for i in range(20))
     long_b = long_a.replace("value_19", "value_xx")

@@ -133,9 +133,9 @@ def test_verifiable_problems_are_correct_and_files_load(tmp_path, tiny_tokenizer
     m = tmp_path / "math.jsonl"
     m.write_text(json.dumps({"problem": "p", "solution": "so \\boxed{12}"}) + "\n")
     assert load_problems("math", str(m))[0]["answer"] == "12"
-    dm = VerifiableDataModule(tiny_tokenizer, task="gsm8k", files=str(f), n_val=2)
+    dm = VerifiableDataModule(tiny_tokenizer, task="gsm8k", files=str(f), val_files=str(f), test_files=str(f), n_val=2)
     dm.setup()
-    assert len(dm.train_set) == 4 and len(dm.val_set) == 2
+    assert len(dm.train_set) == 4 and len(dm.val_set) == 2 and len(dm.test_set) == 4
     assert dm.train_set[1]["prompt"].startswith("Question: q1") and dm.train_set[1]["prompt_ids"]
     with pytest.raises(ValueError, match="data.files"):
         VerifiableDataModule(tiny_tokenizer, task="gsm8k").setup()

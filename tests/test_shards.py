@@ -31,10 +31,10 @@ def corpus(tmp_path):
     return d
 
 
-def expected_tokens(tokenizer, source: str, docs: list[str], val_fraction: float) -> dict[str, list[int]]:
-    out = {"train": [], "val": []}
+def expected_tokens(tokenizer, source: str, docs: list[str], val_fraction: float, test_fraction: float):
+    out = {"train": [], "val": [], "test": []}
     for row, text in enumerate(docs):
-        split = "val" if S.is_val(source, row, val_fraction) else "train"
+        split = S.document_split(source, row, val_fraction, test_fraction)
         out[split] += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     return out
 
@@ -42,26 +42,29 @@ def expected_tokens(tokenizer, source: str, docs: list[str], val_fraction: float
 def test_shards_hold_exactly_the_tokenized_documents(corpus, tmp_path, tiny_tokenizer):
     out = tmp_path / "shards"
     files = [str(corpus / "a.jsonl"), str(corpus / "b.jsonl.gz"), str(corpus / "c.parquet")]
-    index = S.build_shards(files, tiny_tokenizer, out, val_fraction=0.2, batch_docs=7, progress=False)
+    index = S.build_shards(files, tiny_tokenizer, out, val_fraction=0.2, test_fraction=0.2, batch_docs=7,
+                           progress=False)
     assert index["complete"] and index["dtype"] == "uint16" and index["vocab_size"] == len(tiny_tokenizer)
     for k, name in enumerate(["a.jsonl", "b.jsonl.gz", "c.parquet"], 1):
         entry = index["sources"][str(corpus / name)]
-        want = expected_tokens(tiny_tokenizer, name, docs_for(k), 0.2)
-        for split in ("train", "val"):
+        want = expected_tokens(tiny_tokenizer, name, docs_for(k), 0.2, 0.2)
+        for split in ("train", "val", "test"):
             got = np.fromfile(out / entry[split]["file"], dtype=np.uint16)
             assert got.tolist() == want[split], (name, split)
             assert entry[split]["tokens"] == len(want[split])
-        assert entry["train"]["docs"] + entry["val"]["docs"] == 40
-        assert 0 < entry["val"]["docs"] < 20  # ~20% held out by hash
+        assert entry["train"]["docs"] + entry["val"]["docs"] + entry["test"]["docs"] == 40
+        assert 0 < entry["val"]["docs"] < 20 and 0 < entry["test"]["docs"] < 20  # ~20% each held out by hash
     assert not list(out.glob("*.tmp"))
     assert json.loads((out / "index.json").read_text()) == index
 
 
 def test_split_is_stable_and_near_the_fraction():
-    rows = [S.is_val("f.jsonl", i, 0.1) for i in range(20000)]
-    assert abs(sum(rows) / len(rows) - 0.1) < 0.01
-    assert rows == [S.is_val("f.jsonl", i, 0.1) for i in range(20000)]
-    assert not any(S.is_val("f.jsonl", i, 0.0) for i in range(1000))
+    rows = [S.document_split("f.jsonl", i, 0.1, 0.05) for i in range(20000)]
+    assert abs(rows.count("val") / len(rows) - 0.1) < 0.01 and abs(rows.count("test") / len(rows) - 0.05) < 0.01
+    assert rows == [S.document_split("f.jsonl", i, 0.1, 0.05) for i in range(20000)]
+    # a document held out for validation stays held out whatever the test share
+    assert [r == "val" for r in rows] == [S.document_split("f.jsonl", i, 0.1, 0.0) == "val" for i in range(20000)]
+    assert {S.document_split("f.jsonl", i, 0.0, 0.0) for i in range(1000)} == {"train"}
 
 
 def test_dtype_widens_for_large_vocabularies():
@@ -89,7 +92,7 @@ def test_interrupted_build_resumes_without_redoing_finished_sources(corpus, tmp_
         S.build_shards(files, tiny_tokenizer, out, val_fraction=0.1, progress=False)
     partial = S.read_index(out)
     assert not partial["complete"] and list(partial["sources"]) == [str(corpus / "a.jsonl")]
-    assert sorted(p.name for p in out.glob("*.bin")) == ["train-00000.bin", "val-00000.bin"]  # no half shard visible
+    assert sorted(p.name for p in out.glob("*.bin")) == ["test-00000.bin", "train-00000.bin", "val-00000.bin"]  # no half shard visible
     with pytest.raises(FileNotFoundError, match="no complete shard index"):
         S.TokenShards(out, "train", 16)
 
@@ -132,7 +135,7 @@ def test_txt_is_one_document_per_file(tmp_path):
 
 def test_windows_never_straddle_shards(corpus, tmp_path, tiny_tokenizer):
     out = tmp_path / "shards"
-    index = S.build_shards(str(corpus / "*"), tiny_tokenizer, out, val_fraction=0.0, progress=False)
+    index = S.build_shards(str(corpus / "*"), tiny_tokenizer, out, val_fraction=0.0, test_fraction=0.0, progress=False)
     seq = 32
     ds = S.TokenShards(out, "train", seq)
     entries = sorted(index["sources"].values(), key=lambda e: e["train"]["file"])
@@ -161,7 +164,8 @@ def test_datamodule_streams_resumable_windows(corpus, tmp_path, tiny_tokenizer, 
     from datamodules.shards import ShardDataModule
 
     monkeypatch.setenv("PAPERLAB_CACHE", str(tmp_path / "cache"))
-    kw = dict(files=str(corpus / "*"), seq_len=16, batch_size=4, val_fraction=0.2, seed=3, progress=False)
+    kw = dict(files=str(corpus / "*"), seq_len=16, batch_size=4, val_fraction=0.2, test_fraction=0.2, seed=3,
+              progress=False)
     dm = ShardDataModule(tiny_tokenizer, **kw)
     dm.prepare_data()
     dm.setup("fit")
@@ -220,7 +224,7 @@ def test_lm_tiny_trains_on_shards_through_run_py(tmp_path):
     (tmp_path / "corpus.jsonl").write_text("\n".join(lines) + "\n")
     value, metrics = run_experiment("lm_tiny", tmp_path / "run", overrides=(
         "debug=smoke", "data=shards", f"data.files={tmp_path}/corpus.jsonl", f"data.shard_dir={tmp_path}/shards",
-        "data.seq_len=64", "data.val_fraction=0.1", "data.num_workers=1", "data.progress=false",
+        "data.seq_len=64", "data.val_fraction=0.1", "data.test_fraction=0.1", "data.num_workers=1", "data.progress=false",
         "++callbacks.export=null"))
     assert metrics["status"] == "ok" and metrics["global_step"] == 20
     assert S.read_index(tmp_path / "shards")["complete"]

@@ -53,15 +53,55 @@ def test_delta_fit_drops_nonpositive_cells_and_freezes_unidentified_exponents():
         fit_law("qat_delta", df.head(3), holdout=None)
 
 
-def test_chinchilla_fit_recovers_a_planted_law():
+PLANTED = dict(A=400.0, B=2000.0, E=1.7, alpha=0.34, beta=0.28)
+
+
+@pytest.fixture(scope="module")
+def chinchilla_planted():
+    """A planted Chinchilla law with 0.2% multiplicative noise, and its fit."""
     rng = np.random.default_rng(1)
-    A, B, E, a, b = 400.0, 2000.0, 1.7, 0.34, 0.28
+    A, B, E, a, b = PLANTED.values()
     rows = [{"N": N, "D": D, "loss": (A / N ** a + B / D ** b + E) * math.exp(rng.normal(0, 0.002))}
             for N in (1e6, 1e7, 1e8, 1e9) for D in (1e8, 1e9, 1e10, 1e11)]
-    res = fit_law("chinchilla", pd.DataFrame(rows))
+    return pd.DataFrame(rows), fit_law("chinchilla", pd.DataFrame(rows))
+
+
+def test_chinchilla_fit_recovers_a_planted_law(chinchilla_planted):
+    _, res = chinchilla_planted
     assert res.heldout_rel_err < 0.01 and res.r2_log > 0.99
-    assert abs(res.constants["E"] - E) < 0.1
-    assert abs(res.constants["alpha"] - a) < 0.02 and abs(res.constants["beta"] - b) < 0.02
+    assert abs(res.constants["E"] - PLANTED["E"]) < 0.1
+    assert abs(res.constants["alpha"] - PLANTED["alpha"]) < 0.02 and abs(res.constants["beta"] - PLANTED["beta"]) < 0.02
+
+
+def test_chinchilla_fit_does_not_depend_on_start_order(chinchilla_planted):
+    import random
+
+    df, ref = chinchilla_planted
+
+    class ShuffledStarts(ChinchillaLaw):
+        def init_grid(self):
+            grid = super().init_grid()
+            random.Random(7).shuffle(grid)
+            return grid
+
+    shuffled = fit_law(ShuffledStarts(), df)
+    np.testing.assert_allclose(shuffled.theta, ref.theta, rtol=1e-9, atol=1e-12)
+    assert shuffled.objective == pytest.approx(ref.objective, rel=1e-9)
+
+
+@pytest.mark.slow  # a second intra-op thread on a loaded 2-core machine slows every small op many times over
+def test_chinchilla_fit_does_not_depend_on_thread_count(chinchilla_planted):
+    import torch
+
+    df, ref = chinchilla_planted
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1 if threads > 1 else 2)
+        other = fit_law("chinchilla", df)
+    finally:
+        torch.set_num_threads(threads)
+    np.testing.assert_allclose(other.theta, ref.theta, rtol=1e-9, atol=1e-12)
+    assert other.objective == pytest.approx(ref.objective, rel=1e-9)
 
 
 def test_laws_are_small_classes():

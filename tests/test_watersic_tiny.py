@@ -19,7 +19,7 @@ def tiny_setup(tiny_lm_dir):
     dm = TextDataModule(load_tokenizer(pretrained=str(tiny_lm_dir)), seq_len=128)
     dm.setup()
     calib = [{"input_ids": torch.stack([dm.train_set[i]["input_ids"] for i in range(8)])}]
-    evals = {"input_ids": torch.stack([dm.val_set[i]["input_ids"] for i in range(8)])}
+    evals = {"input_ids": torch.stack([dm.val_set[i]["input_ids"] for i in range(32)])}  # enough tokens to order 3 vs 4 bits
     return AutoModelForCausalLM.from_pretrained(str(tiny_lm_dir)).eval(), calib, evals
 
 

@@ -1,13 +1,12 @@
 """The corpus that needs no download: the Python reference manual plus standard-library docstrings.
 
 Docstrings are read with ``ast.get_docstring`` from the ``.py`` sources, never by importing the modules
-(some have side effects). Documents are deduplicated by content and split into train/val by a hash of the
-document, so the split never depends on order or on how many documents there are.
+(some have side effects). Documents are deduplicated by content; ``datamodules.common.splits`` splits them into
+train/val/test by a hash of the document, so the split never depends on order or on how many documents there are.
 """
 from __future__ import annotations
 
 import ast
-import hashlib
 import json
 import sys
 import sysconfig
@@ -66,16 +65,3 @@ def embedded_documents() -> list[str]:
     tmp.write_text(json.dumps(docs))
     tmp.replace(path)
     return docs
-
-
-def is_validation(doc: str, val_fraction: float) -> bool:
-    """Deterministic document-level split: the same document always lands on the same side."""
-    h = int.from_bytes(hashlib.sha1(doc.encode()).digest()[:8], "big")
-    return (h / 2**64) < val_fraction
-
-
-def split_documents(docs: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
-    train, val = [], []
-    for d in docs:
-        (val if is_validation(d, val_fraction) else train).append(d)
-    return train, val

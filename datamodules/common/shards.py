@@ -1,16 +1,17 @@
 """Pretokenize-and-pack for corpora too large to hold in memory (FineWeb, C4, RedPajama, PG-19 from local files).
 
 ``build_shards(files, tokenizer, out_dir)`` reads each source file once, tokenizes its documents (each followed
-by EOS) and writes the tokens as flat memory-mappable arrays, one pair of shards per source file::
+by EOS) and writes the tokens as flat memory-mappable arrays, one shard per split and source file::
 
-    out_dir/index.json          {"version", "dtype", "vocab_size", "eos_id", "tokenizer", "val_fraction", ...,
-                                 "sources": {<source>: {"train": {"file", "tokens", "docs"}, "val": {...}}},
-                                 "complete": true}
+    out_dir/index.json          {"version", "dtype", "vocab_size", "eos_id", "tokenizer", "val_fraction",
+                                 "test_fraction", ..., "sources": {<source>: {"train": {"file", "tokens", "docs"},
+                                 "val": {...}, "test": {...}}}, "complete": true}
     out_dir/train-00000.bin     uint16 tokens when the vocabulary fits in 16 bits, else uint32
     out_dir/val-00000.bin
+    out_dir/test-00000.bin
 
-Documents are assigned to val by a hash of (source file name, row), so the split does not depend on the order
-files are processed or on how many there are. Resumable and atomic: a source's shards are written to ``.tmp``
+Documents are assigned to train / val / test by a hash of (source file name, row) (``datamodules.common.splits``),
+so the split does not depend on the order files are processed or on how many there are. Resumable and atomic: a source's shards are written to ``.tmp``
 files and renamed once complete, then the index is rewritten (tmp + rename) naming that source done; an
 interrupted build restarts at the first source the index does not list. Source files are streamed, never
 loaded whole: ``.jsonl`` (optionally ``.gz``) line by line (a malformed line names file:line), ``.parquet``
@@ -24,16 +25,16 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
 from datamodules.common.loaders import MalformedRecordError, iter_jsonl
+from datamodules.common.splits import SPLITS, check_fractions, split_of
 
 INDEX = "index.json"
-VERSION = 1
+VERSION = 2  # 2: three splits (train / val / test)
 
 
 def _expand(files) -> list[Path]:
@@ -76,11 +77,9 @@ def token_dtype(vocab_size: int):
     return np.uint16 if vocab_size <= 2**16 else np.uint32
 
 
-def is_val(source: str, row: int, val_fraction: float) -> bool:
+def document_split(source: str, row: int, val_fraction: float, test_fraction: float) -> str:
     """A document's split: a hash of (source file name, row), so it is stable across runs and orderings."""
-    if val_fraction <= 0:
-        return False
-    return zlib.crc32(f"{source}:{row}".encode()) % 1_000_000 < val_fraction * 1_000_000
+    return split_of(f"{source}:{row}", val_fraction, test_fraction)
 
 
 def _write_json_atomic(path: Path, obj) -> None:
@@ -101,7 +100,7 @@ def _fingerprint(tokenizer) -> str:
 
 
 def build_shards(files, tokenizer, out_dir, text_field: str = "text", val_fraction: float = 0.0005,
-                 batch_docs: int = 512, progress: bool = True) -> dict:
+                 test_fraction: float = 0.0005, batch_docs: int = 512, progress: bool = True) -> dict:
     """Tokenize ``files`` into ``out_dir`` once (see the module docstring); returns the index.
 
     Calling it again is cheap: finished sources are skipped, and a complete build is returned as is. A
@@ -109,6 +108,7 @@ def build_shards(files, tokenizer, out_dir, text_field: str = "text", val_fracti
     """
     from tqdm.auto import tqdm
 
+    check_fractions(val_fraction, test_fraction)
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     paths = _expand(files)
@@ -118,7 +118,8 @@ def build_shards(files, tokenizer, out_dir, text_field: str = "text", val_fracti
     if eos is None:
         raise ValueError("the tokenizer has no eos_token: documents are joined with EOS; set one on the tokenizer")
     header = {"version": VERSION, "dtype": np.dtype(dtype).name, "vocab_size": vocab, "eos_id": int(eos),
-              "tokenizer": _fingerprint(tokenizer), "text_field": text_field, "val_fraction": val_fraction}
+              "tokenizer": _fingerprint(tokenizer), "text_field": text_field, "val_fraction": val_fraction,
+              "test_fraction": test_fraction}
     index = read_index(out)
     if index is not None:
         clash = {k: (index.get(k), v) for k, v in header.items() if index.get(k) != v}
@@ -136,8 +137,8 @@ def build_shards(files, tokenizer, out_dir, text_field: str = "text", val_fracti
     for path in todo:
         number = len(index["sources"])
         entry = {}
-        handles, counts = {}, {"train": [0, 0], "val": [0, 0]}  # split -> [tokens, docs]
-        for split in ("train", "val"):
+        handles, counts = {}, {s: [0, 0] for s in SPLITS}  # split -> [tokens, docs]
+        for split in SPLITS:
             handles[split] = (out / f"{split}-{number:05d}.bin.tmp").open("wb")
         try:
             batch, splits = [], []
@@ -153,7 +154,7 @@ def build_shards(files, tokenizer, out_dir, text_field: str = "text", val_fracti
 
             for row, text in enumerate(iter_documents(path, text_field)):
                 batch.append(text)
-                splits.append("val" if is_val(path.name, row, val_fraction) else "train")
+                splits.append(document_split(path.name, row, val_fraction, test_fraction))
                 if len(batch) >= batch_docs:
                     flush()
             if batch:
@@ -161,7 +162,7 @@ def build_shards(files, tokenizer, out_dir, text_field: str = "text", val_fracti
         finally:
             for fh in handles.values():
                 fh.close()
-        for split in ("train", "val"):
+        for split in SPLITS:
             final = out / f"{split}-{number:05d}.bin"
             os.replace(out / f"{split}-{number:05d}.bin.tmp", final)
             entry[split] = {"file": final.name, "tokens": counts[split][0], "docs": counts[split][1]}
@@ -228,10 +229,13 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True, help="output dir (data.shard_dir)")
     ap.add_argument("--text-field", default="text")
     ap.add_argument("--val-fraction", type=float, default=0.0005)
+    ap.add_argument("--test-fraction", type=float, default=0.0005)
     args = ap.parse_args(argv)
-    index = build_shards(args.files, load_tokenizer(pretrained=args.tokenizer), args.out, args.text_field, args.val_fraction)
-    total = {s: sum(v[s]["tokens"] for v in index["sources"].values()) for s in ("train", "val")}
-    print(f"{args.out}: {len(index['sources'])} sources, {total['train']:,} train / {total['val']:,} val tokens")
+    index = build_shards(args.files, load_tokenizer(pretrained=args.tokenizer), args.out, args.text_field,
+                         args.val_fraction, args.test_fraction)
+    total = {s: sum(v[s]["tokens"] for v in index["sources"].values()) for s in SPLITS}
+    print(f"{args.out}: {len(index['sources'])} sources, "
+          + " / ".join(f"{total[s]:,} {s}" for s in SPLITS) + " tokens")
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ def load_tokenizer(pretrained: str | None = None, vocab_size: int = 2048, corpus
         return corpus_tokenizer(vocab_size, corpus)
     from transformers import AutoTokenizer
 
-    from lightning_modules.common.backbone import resolve_pretrained
+    from datamodules.common.tiny_models import resolve_pretrained
 
     tok = AutoTokenizer.from_pretrained(resolve_pretrained(pretrained))
     if tok.pad_token is None:

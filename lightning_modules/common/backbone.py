@@ -15,15 +15,10 @@ parameter count against the real model).
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any, Mapping
 
-TINY_LM = "tiny-lm"  # sentinel: the cached tiny pretrained model, trained on first use
-
-
-class PretrainedNotFoundError(FileNotFoundError):
-    pass
+# Resolving ``pretrained`` (a cached tiny model, a local dir, a hub id) belongs to the lowest layer, beside the cache.
+from datamodules.common.tiny_models import PretrainedNotFoundError, resolve_pretrained  # noqa: E402,F401
 
 
 def _dtype(name: str | None):
@@ -33,20 +28,6 @@ def _dtype(name: str | None):
         return None
     aliases = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "half": "float16"}
     return getattr(torch, aliases.get(name, name))
-
-
-def resolve_pretrained(pretrained: str) -> str:
-    """A loadable location for ``pretrained``; raises one clear line when a local path is missing."""
-    if pretrained == TINY_LM:
-        from lightning_modules.common.tiny_pretrained import tiny_pretrained_dir
-
-        return str(tiny_pretrained_dir())
-    expanded = os.path.expanduser(pretrained)
-    if pretrained.startswith(("/", "./", "../", "~")) and not Path(expanded).exists():
-        raise PretrainedNotFoundError(
-            f"backbone.pretrained={pretrained!r} does not exist: put the checkpoint there, or pass "
-            "backbone.pretrained=<dir with config.json and weights> (a hub id works where the hub is reachable)")
-    return expanded
 
 
 def build_config(spec: Mapping[str, Any]):

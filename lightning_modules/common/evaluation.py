@@ -27,12 +27,16 @@ def _device(model) -> torch.device:
 
 
 @torch.no_grad()
-def perplexity(model, token_ids, seq_len: int, stride: int | None = None, batch_size: int = 4) -> dict:
+def perplexity(model, token_ids, seq_len: int, stride: int | None = None, batch_size: int = 4,
+               shard: tuple[int, int] = (0, 1)) -> dict:
     """Token-weighted NLL and perplexity of one long token stream.
 
     With ``stride=None`` the stream is cut into non-overlapping windows of ``seq_len`` (each window's first token is
     not scored, having no context inside it). With ``stride < seq_len`` window i covers ``[i*stride, i*stride+seq_len)``
     and scores only the tokens not scored before, so every token after the first is scored exactly once.
+    ``shard=(rank, world)`` scores every world-th batch of windows from the rank-th, and runs a batch with
+    nothing scored where a rank has run out, so that every rank makes the same number of forward passes (a
+    collective under FSDP / ZeRO-3); sum ``nll`` and ``tokens`` over ranks for the whole stream's figure.
     """
     ids = _as_1d(token_ids)
     n = ids.numel()
@@ -53,8 +57,11 @@ def perplexity(model, token_ids, seq_len: int, stride: int | None = None, batch_
         if end == n:
             break
     total_nll, total_tok = 0.0, 0
-    for i in range(0, len(windows), batch_size):
-        chunk = windows[i:i + batch_size]
+    rank, world = shard
+    starts = list(range(0, len(windows), batch_size))
+    starts += [None] * (-len(starts) % world)  # equal forward counts on every rank
+    for i in starts[rank::world]:
+        chunk = windows[i:i + batch_size] if i is not None else windows[:1]
         width = max(e - b for b, e, _ in chunk)
         x = torch.zeros(len(chunk), width, dtype=torch.long)
         mask = torch.zeros(len(chunk), width, dtype=torch.long)
@@ -63,13 +70,13 @@ def perplexity(model, token_ids, seq_len: int, stride: int | None = None, batch_
             mask[j, : e - b] = 1
         logits = model(input_ids=x.to(dev), attention_mask=mask.to(dev), use_cache=False).logits.float()
         logp = torch.log_softmax(logits[:, :-1], dim=-1)
-        for j, (b, e, first) in enumerate(chunk):
+        for j, (b, e, first) in enumerate(chunk if i is not None else []):
             tgt = ids[first:e].to(dev)  # targets at absolute positions first..e-1, predicted from position-1
             rows = logp[j, first - 1 - b: e - 1 - b]
             total_nll -= rows.gather(-1, tgt.unsqueeze(-1)).sum().item()
             total_tok += tgt.numel()
-    loss = total_nll / total_tok
-    return {"loss": loss, "ppl": math.exp(loss), "tokens": total_tok}
+    loss = total_nll / total_tok if total_tok else float("nan")
+    return {"loss": loss, "ppl": math.exp(loss), "nll": total_nll, "tokens": total_tok}
 
 
 @torch.no_grad()
@@ -89,8 +96,10 @@ def kl_bits_per_token(model, reference, input_ids, attention_mask=None) -> float
 
 
 @torch.no_grad()
-def greedy_generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 16) -> list[str]:
-    """Greedy continuations of each prompt (left-padded batch), decoded without the prompt."""
+def greedy_generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 16,
+                    synced_gpus: bool = False) -> list[str]:
+    """Greedy continuations of each prompt (left-padded batch), decoded without the prompt. ``synced_gpus``:
+    keep stepping until every rank is done (needed when the weights are sharded across ranks)."""
     dev = _device(model)
     side = tokenizer.padding_side
     tokenizer.padding_side = "left"
@@ -99,7 +108,7 @@ def greedy_generate(model, tokenizer, prompts: Sequence[str], max_new_tokens: in
     finally:
         tokenizer.padding_side = side
     out = model.generate(input_ids=enc["input_ids"].to(dev), attention_mask=enc["attention_mask"].to(dev),
-                         max_new_tokens=max_new_tokens, do_sample=False,
+                         max_new_tokens=max_new_tokens, do_sample=False, synced_gpus=synced_gpus,
                          pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     new = out[:, enc["input_ids"].shape[1]:]
     return tokenizer.batch_decode(new, skip_special_tokens=True)

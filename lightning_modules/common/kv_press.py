@@ -3,32 +3,37 @@
 The contract is kvpress's (NVIDIA), re-implemented for transformers 5.x (where the cache argument is ``cache``):
 
 - A press is a small dataclass used as a context manager around a model: ``with press(model): model(...)``.
-  It hooks every decoder layer's ``self_attn``; at **prefill only** (the layer's cache holds exactly the tokens of
-  this forward) it reads the post-RoPE cached keys/values (``cache.layers[i].keys``: batch x kv_heads x L x d),
-  calls ``compress`` and writes the shortened tensors back. Prefill attention itself sees the full context;
+  It hooks every decoder layer's ``self_attn``; at **prefill only** (the layer's cache was empty before this
+  forward and its first position is 0, so a question appended to a compressed cache never counts) it reads the
+  post-RoPE cached keys/values (``cache.layers[i].keys``: batch x kv_heads x L x d), calls ``compress`` and
+  writes the shortened tensors back. A sliding-window layer whose window is shorter than the context is left as
+  is (as kvpress does for Gemma-3). Prefill attention itself sees the full context;
   only later tokens (question, answer) see the compressed cache.
 - ``ScorerPress``: ``compression_ratio`` is the fraction of KV pairs *removed* (0 = identity); a subclass
   implements ``score(module, hidden_states, keys, values, kwargs) -> (batch, kv_heads, L)`` (higher = keep) and
-  every head keeps its top ``int(L * (1 - compression_ratio))`` tokens. Kept tokens are stored in position order
+  every head keeps its top ``int(L * (1 - compression_ratio))`` tokens, at least one (a compressed cache is never
+  empty). Kept tokens are stored in position order
   (kvpress stores them in top-k order; attention is permutation-invariant over cached keys, so this is equivalent).
-- Scorers: ``ManifoldKV`` (Euclidean distance to the per-head key centroid; ``window_size`` int = windowed;
-  ``WindowedManifoldKV`` is the same with the paper's 4096-token windows by default),
-  ``KeyDiff``, ``KNorm``, ``SnapKV``, ``StreamingLLM``, ``Random``.
+- Baseline scorers: ``KeyDiff``, ``KNorm``, ``SnapKV``, ``StreamingLLM``, ``Random``. A paper's own scorer lives in
+  its package (ManifoldKV: ``lightning_modules/manifoldkv/press.py``).
 - Wrappers take any scorer: ``AdaKV`` (head-adaptive budget inside a layer, evicted positions *masked* through a
   masked attention function, cache length unchanged) and ``Block`` (KeyDiff's block-wise prefill: keep, append
-  the next block, rescore). ``build_press(spec)`` makes one from plain config data.
+  the next block, rescore).
+- A press is chosen by ``_target_`` in ``conf/model/press/*.yaml`` (``model/press=keydiff``) and a wrapper, as a
+  partial taking the inner press, in ``conf/model/press_wrapper/*.yaml`` (``model/press_wrapper=adakv``);
+  ``press.spec()`` is the press as plain config data again (for results).
 - Every press records per layer the kept count per KV head (``press.kept``) so budgets and the retained fraction
   can be logged (``press.summary()``).
 
 ``prefill_and_answer`` is the kvpress pipeline: compress the context once, then for each question append it
-after compression (positions continue from the *uncompressed* context length), greedy-decode, and crop the cache
-back to the compressed context before the next question.
+after compression (positions continue from the *uncompressed* context length), greedy-decode, and restore the
+cache to the compressed context before the next question.
 """
 from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -48,7 +53,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def n_kept_of(length: int, compression_ratio: float) -> int:
-    return int(length * (1 - compression_ratio))
+    """Tokens kept per head: ``int(L (1 - ratio))``, at least one (an empty cache would lose the context)."""
+    return max(1, int(length * (1 - compression_ratio)))
 
 
 def attention_layers(model) -> list[torch.nn.Module]:
@@ -80,20 +86,27 @@ class Press:
 
     # -- mechanics
     def _pre_hook(self, module, args, kwargs):
+        # a prefill starts a sequence: the layer's cache is empty *and* the first position is 0. A question appended
+        # after compression continues the context's positions, so it never counts, even on a cache of one token.
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        if cache is None or cache.get_seq_length(module.layer_idx) == 0:
-            module.press_evicted = None  # a new prefill: forget the previous context's mask
+        positions = kwargs.get("position_ids")
+        module.press_prefill = (cache is not None and cache.get_seq_length(module.layer_idx) == 0
+                                and (positions is None or bool((positions[..., 0] == 0).all())))
+        if cache is None or module.press_prefill:
+            module.press_evicted = None  # a new context: forget the previous one's mask
 
     def _hook(self, module, args, kwargs, output):
-        hidden = kwargs.get("hidden_states", args[0] if args else None)
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        if cache is None or hidden is None:
+        if not getattr(module, "press_prefill", False):
             return output
-        layer = cache.layers[module.layer_idx]
-        if layer.keys is None or layer.keys.shape[-2] != hidden.shape[1]:
-            return output  # not a prefill: the cache held tokens before this forward
+        module.press_prefill = False
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        layer = kwargs.get("cache", kwargs.get("past_key_values")).layers[module.layer_idx]
+        if layer.keys.shape[-2] != hidden.shape[1]:
+            return output  # a sliding-window layer shorter than the context: left as is (kvpress, Gemma-3)
         keys, values = self.compress(module, hidden, layer.keys, layer.values, kwargs)
         layer.keys, layer.values = keys.contiguous(), values.contiguous()
+        if hasattr(layer, "cumulative_length"):  # a sliding-window layer sizes its mask by this count, not keys
+            layer.cumulative_length = keys.shape[-2]
         evicted = getattr(module, "press_evicted", None)
         kept = torch.full(keys.shape[:2], keys.shape[-2], device=keys.device)
         if evicted is not None:
@@ -108,7 +121,7 @@ class Press:
         handles, config, previous = [], getattr(model, "config", None), None
         try:
             for m in attention_layers(model):
-                m.press_evicted = None
+                m.press_evicted, m.press_prefill = None, False
                 handles.append(m.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
                 handles.append(m.register_forward_hook(self._hook, with_kwargs=True))
             if self.needs_mask:
@@ -122,7 +135,15 @@ class Press:
             if previous is not None:
                 config._attn_implementation = previous
             for m in attention_layers(model):
-                m.press_evicted = None
+                m.press_evicted, m.press_prefill = None, False
+
+    def spec(self) -> dict[str, Any]:
+        """The press as plain config data (``_target_`` and every field, an inner press nested): what ran."""
+        out = {"_target_": f"{type(self).__module__}.{type(self).__qualname__}"}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = value.spec() if isinstance(value, Press) else value
+        return out
 
     def summary(self) -> dict[str, Any]:
         """Retained fraction and per-head budgets of the last compression (plain data, for results)."""
@@ -163,53 +184,11 @@ def unrotate(keys: torch.Tensor, kwargs) -> torch.Tensor:
     Uses ``key_position_embeddings`` (per head, set by Block) or the layer's ``position_embeddings``."""
     pe = kwargs.get("key_position_embeddings") or kwargs.get("position_embeddings")
     if pe is None:
-        raise ValueError("pre_rope=True needs the layer's position_embeddings (a RoPE model)")
+        raise ValueError("unrotating keys (pre_rope=True) needs the layer's position_embeddings: a RoPE model")
     cos, sin = pe
     if cos.dim() == 3:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return keys * cos - _rotate_half(keys) * sin
-
-
-@dataclass
-class ManifoldKV(ScorerPress):
-    """ManifoldKV (Datta et al., ICML 2026, arXiv 2602.08343): s_i = ||k_i - mu||_2, mu the mean of the raw keys
-    per (batch, KV head). ``window_size=None``: one global centroid; an int: WindowedManifoldKV, mu per consecutive
-    non-overlapping window of that many tokens (the last window may be shorter); the paper uses 4096.
-    ``pre_rope``: score the keys before rotary embedding (a variant a reproduction tried); default False = the
-    post-RoPE cache keys kvpress hands to every press (the spec's [INF], sources silent).
-    ``distance``: l2 (the method) or the paper's ablation distances to the same centroid: l1, linf, cosine
-    (-cos(k, mu), i.e. keep the keys least aligned with the raw-key centroid)."""
-
-    window_size: int | None = None
-    pre_rope: bool = False
-    distance: str = "l2"
-
-    def _distance(self, k: torch.Tensor) -> torch.Tensor:
-        mu = k.mean(dim=-2, keepdim=True)
-        if self.distance == "l2":
-            return (k - mu).norm(dim=-1)
-        if self.distance == "l1":
-            return (k - mu).abs().sum(-1)
-        if self.distance == "linf":
-            return (k - mu).abs().amax(-1)
-        if self.distance == "cosine":
-            return -F.cosine_similarity(k, mu, dim=-1)
-        raise ValueError(f"distance={self.distance!r}: choose l2, l1, linf or cosine")
-
-    def score(self, module, hidden_states, keys, values, kwargs):
-        k = (unrotate(keys, kwargs) if self.pre_rope else keys).float()
-        if self.window_size is None or self.window_size >= k.shape[-2]:
-            return self._distance(k)
-        if self.window_size <= 0:
-            raise ValueError(f"window_size={self.window_size}: use a positive int, or null for the global centroid")
-        return torch.cat([self._distance(w) for w in k.split(self.window_size, dim=-2)], dim=-1)
-
-
-@dataclass
-class WindowedManifoldKV(ManifoldKV):
-    """WindowedManifoldKV: ManifoldKV with per-window centroids, 4096-token windows by default (the paper's 64K fix)."""
-
-    window_size: int | None = 4096
 
 
 @dataclass
@@ -288,7 +267,10 @@ class SnapKV(ScorerPress):
         attn = logits.masked_fill(future, float("-inf")).softmax(-1)[..., : L - w].mean(dim=-2)
         attn = F.avg_pool1d(attn.flatten(0, 1), self.kernel_size, padding=self.kernel_size // 2, stride=1).view(B, -1, L - w)
         scores = attn.view(B, H, n_rep, L - w).mean(2)
-        return F.pad(scores, (0, w), value=scores.max().item())
+        # the window scores strictly above every prefix score, so no prefix token can tie with it and displace it;
+        # rising with position, so a budget below the window keeps its most recent tokens
+        window = scores.amax() + 1 + torch.arange(w, device=keys.device, dtype=scores.dtype)
+        return torch.cat([scores, window.expand(B, H, w)], dim=-1)
 
 
 # --- wrappers ------------------------------------------------------------------------------------------
@@ -301,7 +283,8 @@ class Wrapper(Press):
     def __post_init__(self):
         super().__post_init__()
         if not isinstance(self.press, ScorerPress):
-            raise ValueError(f"{type(self).__name__} wraps a scorer press (ManifoldKV, KeyDiff, KNorm, SnapKV, StreamingLLM, Random)")
+            raise ValueError(f"{type(self).__name__} wraps a scorer press (a ScorerPress such as KeyDiff or ManifoldKV), "
+                             f"got {type(self.press).__name__}: set model/press=<scorer>")
 
     @property
     def compression_ratio(self) -> float:
@@ -310,12 +293,18 @@ class Wrapper(Press):
 
 @dataclass
 class AdaKV(Wrapper):
-    """Ada-KV (Feng et al., 2024) head-adaptive budget: each head first keeps its top ``int(n_kept * alpha_safeguard)``,
-    then the layer's remaining budget goes to the highest scores over all heads. Total kept per layer =
+    """Ada-KV (Feng et al., 2024) head-adaptive budget: each head first keeps its top ``int(n_kept * alpha_safeguard)``
+    (at least 1), then the layer's remaining budget goes to the highest scores over all heads. Total kept per layer =
     kv_heads * n_kept; evicted positions are masked in attention (cache length unchanged), as in kvpress."""
 
     alpha_safeguard: float = 0.20
     needs_mask = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0.0 <= self.alpha_safeguard <= 1.0:
+            raise ValueError(f"alpha_safeguard={self.alpha_safeguard}: it is the fraction of n_kept each head keeps "
+                             "for sure, in [0, 1]")
 
     def compress(self, module, hidden_states, keys, values, kwargs):
         if self.compression_ratio == 0:
@@ -323,7 +312,8 @@ class AdaKV(Wrapper):
         B, H, L, _ = keys.shape
         n_kept = n_kept_of(L, self.compression_ratio)
         scores = self.press.score(module, hidden_states, keys, values, kwargs).float()
-        safe = scores.topk(int(n_kept * self.alpha_safeguard), dim=-1).indices
+        n_safe = max(1, int(n_kept * self.alpha_safeguard))  # no head loses every token
+        safe = scores.topk(n_safe, dim=-1).indices
         scores = scores.scatter(-1, safe, torch.finfo(scores.dtype).max)
         pruned = scores.reshape(B, H * L).topk(H * (L - n_kept), dim=-1, largest=False).indices
         evicted = torch.zeros(B, H * L, dtype=torch.bool, device=keys.device).scatter_(1, pruned, True)
@@ -360,41 +350,6 @@ class Block(Wrapper):
         return _gather(keys, kept), _gather(values, kept)
 
 
-SCORERS = {"manifoldkv": ManifoldKV, "windowed_manifoldkv": WindowedManifoldKV, "keydiff": KeyDiff, "knorm": KNorm, "snapkv": SnapKV,
-           "streaming": StreamingLLM, "random": Random}
-WRAPPERS = {"adakv": AdaKV, "block": Block}
-
-
-def build_press(name: str = "manifoldkv", compression_ratio: float = 0.0, wrapper: str | None = None,
-                **options) -> Press:
-    """A press from plain config data: ``name`` in SCORERS, ``wrapper`` in {None, adakv, block}; ``options`` are the
-    scorer's and wrapper's fields (window_size, n_sink, kernel_size, alpha_safeguard, block_size, ...); an option
-    that no press takes is an error; options of other presses are ignored (one config carries them all).
-    ``window_size`` is ManifoldKV's window, ``snap_window`` SnapKV's."""
-    if name not in SCORERS:
-        raise ValueError(f"press.name={name!r}: choose one of {', '.join(SCORERS)}")
-    if wrapper is not None and wrapper not in WRAPPERS:
-        raise ValueError(f"press.wrapper={wrapper!r}: choose one of {', '.join(WRAPPERS)} or null")
-    options = {k: v for k, v in options.items() if v is not None}
-    snap_window = options.pop("snap_window", None)
-    if name == "snapkv":  # SnapKV's observation window, not ManifoldKV's centroid window
-        options.pop("window_size", None)
-        if snap_window is not None:
-            options["window_size"] = snap_window
-    known = {f for c in (*SCORERS.values(), *WRAPPERS.values()) for f in c.__dataclass_fields__} - {"press"}
-    unknown = set(options) - known
-    if unknown:
-        raise ValueError(f"press options {sorted(unknown)} are not fields of any press; known: {sorted(known)}")
-    cls = SCORERS[name]
-    fields = set(cls.__dataclass_fields__)
-    wfields = set(WRAPPERS[wrapper].__dataclass_fields__) - {"press"} if wrapper else set()
-    # one shared config carries every press's options: each press takes its own and ignores the others'
-    scorer = cls(compression_ratio=compression_ratio, **{k: v for k, v in options.items() if k in fields})
-    if wrapper is None:
-        return scorer
-    return WRAPPERS[wrapper](press=scorer, **{k: v for k, v in options.items() if k in wfields})
-
-
 # --- masked attention (AdaKV) --------------------------------------------------------------------------
 def masked_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """Attention that also hides the positions a press evicted (``module.press_evicted``: batch x kv_heads x L_ctx)."""
@@ -426,10 +381,17 @@ def _register_masked_attention() -> None:
 
 
 # --- the pipeline: compress the context once, answer several questions -----------------------------------
-def crop_cache(cache, length: int) -> None:
-    for layer in cache.layers:
-        if layer.keys is not None and layer.keys.shape[-2] > length:
-            layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
+def cache_state(cache) -> list[tuple]:
+    """Each layer's (keys, values, seen-token count): enough to put the compressed context back after a question.
+    Restoring a saved state (not cropping to a length) also serves sliding-window layers, which drop old tokens."""
+    return [(layer.keys, layer.values, getattr(layer, "cumulative_length", None)) for layer in cache.layers]
+
+
+def restore_cache(cache, state: list[tuple]) -> None:
+    for layer, (keys, values, seen) in zip(cache.layers, state):
+        layer.keys, layer.values = keys, values
+        if seen is not None:
+            layer.cumulative_length = seen
 
 
 @dataclass
@@ -459,7 +421,7 @@ def prefill_and_answer(model, press: Press | None, context_ids: torch.Tensor, qu
         model(input_ids=context_ids, cache=cache, use_cache=True, logits_to_keep=1)
         prefill_s = time.perf_counter() - t0
         summary = press.summary() if press is not None else {"kv_kept_fraction": 1.0, "kept_per_head": {}}
-        c_len = cache.get_seq_length()
+        context_state = cache_state(cache)
         answers, nlls, decode_s = [], [], 0.0
         for qi, question in enumerate(questions):
             t0 = time.perf_counter()
@@ -476,7 +438,7 @@ def prefill_and_answer(model, press: Press | None, context_ids: torch.Tensor, qu
                     break
                 out_tokens.append(tok)
                 ids = torch.tensor([[tok]], device=device)
-            crop_cache(cache, c_len)
+            restore_cache(cache, context_state)
             decode_s += time.perf_counter() - t0
             answers.append(out_tokens)
             g = gold[qi] if gold is not None else None
@@ -486,7 +448,7 @@ def prefill_and_answer(model, press: Press | None, context_ids: torch.Tensor, qu
             full = torch.cat([question.to(device).view(-1), g.to(device).view(-1)])[None]
             positions = torch.arange(L, L + full.shape[1], device=device)[None]
             logits = model(input_ids=full, position_ids=positions, cache=cache, use_cache=True).logits[0].float()
-            crop_cache(cache, c_len)
+            restore_cache(cache, context_state)
             n_q = question.numel()
             logp = logits[n_q - 1: -1].log_softmax(-1)
             nlls.append(float(-logp.gather(-1, g.to(device).view(-1, 1)).mean()))

@@ -150,6 +150,8 @@ class CausalLMModule(L.LightningModule):
 
     # --- optimisation ----------------------------------------------------------------------------
     def param_groups(self) -> list[dict]:
+        """The optimizer factory's groups; a method that groups parameters its own way (LLR: one group per
+        module) overrides this."""
         decay, no_decay = [], []
         for _, p in self.trainer.model.named_parameters() if self._trainer is not None else self.named_parameters():
             if not p.requires_grad:
@@ -160,13 +162,7 @@ class CausalLMModule(L.LightningModule):
     def configure_optimizers(self):
         if self.optimizer_factory is None:
             raise ValueError(f"{type(self).__name__} has no optimizer: set model.optimizer in the config")
-        groups = [g for g in self.param_groups() if g["params"]]
-        # A factory that groups parameters by module (callbacks/llr.py) sets ``needs_module`` and gets the module too.
-        factory = self.optimizer_factory
-        if getattr(getattr(factory, "func", factory), "needs_module", False):
-            optimizer = factory(params=groups, module=self)
-        else:
-            optimizer = factory(params=groups)
+        optimizer = self.optimizer_factory(params=[g for g in self.param_groups() if g["params"]])
         if self.scheduler_factory is None:
             return optimizer
         scheduler = self.scheduler_factory(optimizer=optimizer)
@@ -181,12 +177,18 @@ class CausalLMModule(L.LightningModule):
 
 
 def warmup_cosine(optimizer, warmup_steps: int, total_steps: int, min_ratio: float = 0.1):
-    """Linear warmup, then cosine decay to ``min_ratio`` of the peak LR at ``total_steps``."""
+    """Linear warmup to the peak LR at step ``warmup_steps``, then cosine decay to ``min_ratio`` of it at step
+    ``total_steps``, steps counted from 1 as in the released codes (GaLore / LLR): optimizer step t gets
+    t/warmup_steps, then min_ratio + (1 - min_ratio)·½(1 + cos(π (t - warmup)/(total - warmup))).
+
+    LambdaLR calls the multiplier with the number of scheduler steps taken so far, which Lightning counts from 0
+    (the optimizer step t runs with the multiplier at t - 1), hence the ``+ 1``."""
 
     def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / max(1, warmup_steps)
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        t = step + 1
+        if t < warmup_steps:
+            return t / warmup_steps
+        progress = min(1.0, (t - warmup_steps) / max(1, total_steps - warmup_steps))
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -7,10 +7,13 @@ The recipe (spec ../shared/papers/hici.md, from the released ``fine-tune_hici.py
 - ``hici``: num_segments S=4, local_slots M=8, global_slots K=4, heads 8, bottleneck_dim 512, compress_dim c=128
   (160 at 13B), expand_dim d=512, integrator_heads 8, gate_init 0.1, causal_mode (default ``causal_shift_g``,
   leak-free; ``none`` is the released code, which leaks the future — see ``hici_attention``), eval_segments 1
-  (Option B prefill: "entire sequence as one group").
+  (Option B prefill: "entire sequence as one group"), bias false (the release's linear maps have none),
+  global_query_init ``top_norm_tokens`` (the spec's: the K highest-norm token embeddings through the compressor
+  and expander) | ``xavier``.
 - ``s2``: group_ratio 1/4, shift ``no_wrap`` (default, leak-free) | ``roll`` (LongLoRA's code; wraps, leaks).
-- ``lora``: r=8, α=16, dropout 0 on q/k/v/o (peft); ``trainable``: embeddings and norms fully trainable; HiCI
-  modules trainable with their own lr ``hici_lr`` (2e-4 vs 2e-5) and their own grad-norm clip ``hici_grad_clip``
+- ``lora``: r=8, α=16, dropout 0 on q/k/v/o (``common.lora.apply_lora``); ``trainable``: embeddings and norms
+  fully trainable; HiCI modules trainable with their own lr ``hici_lr`` (2e-4 vs 2e-5) and their own grad-norm clip
+  ``hici_grad_clip``
   (0.3, HiCI parameters only; under DeepSpeed ZeRO the norm is taken over the full gradients through
   ``deepspeed.utils.safe_get_full_grad`` / ``safe_set_full_grad``).
 - ``rope``: linear position interpolation with factor ceil(target_length / original_length) (original: the
@@ -19,15 +22,23 @@ The recipe (spec ../shared/papers/hici.md, from the released ``fine-tune_hici.py
   ``full_model()`` returns that plain transformers model) | ``hici`` (modules kept for prefill).
 - ``evaluation``: the test loop's long-context suite: sliding-window perplexity at ``ppl_lengths`` (stride
   ``ppl_stride``) on the validation stream and passkey retrieval at ``passkey_lengths`` (``passkey_samples`` each),
-  scored from greedy generated tokens.
+  scored from greedy generated tokens. Every rank evaluates its share of the windows and samples (the same number
+  of forward passes on each, as sharded weights need) and the counts are summed over ranks.
+- ``export_dir``: where fit writes the ``full`` model (gathered from the shards under FSDP2; under ZeRO-3, convert
+  the checkpoint first and call ``full_model()``).
+- Padding: the attention mask is honoured in the slots, the statistics and the broadcast (``hici_attention``), and
+  the loss ignores padded labels.
 
-Added parameters (tests/test_hici.py, LLaMA-2-7B on the meta device): 12.17M per layer (8.43M local + 3.75M
-global), 389.5M in all = 5.78% of the base model, 5.46% of the adapted model — the spec's arithmetic (~5.7%) and the
-abstract page's "<5.5%" agree once the latter is read as a fraction of base + added; LoRA adds 8.4M more.
+Added parameters (tests/test_hici.py, LLaMA-2-7B on the meta device, no biases as released): 12.16M per layer
+(8.42M local + 3.74M global), 389.1M in all = 5.77% of the base model, 5.46% of the adapted model — the spec's
+arithmetic (~5.7%) and the abstract page's "<5.5%" agree once the latter is read as a fraction of base + added; LoRA
+adds 8.4M more. (With ``bias: true``: 389.5M, 5.78%.)
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 import math
 from typing import Any, Mapping
 
@@ -37,13 +48,18 @@ from lightning_modules.common.attention import (attention_enabled, attention_mod
                                                  set_linear_rope_scaling, unpatch_attention)
 from lightning_modules.common.backbone import build_backbone
 from lightning_modules.common.lm import CausalLMModule
-from lightning_modules.hici.hici_attention import GlobalIntegrator, HiCICore, LocalConstructor
+from lightning_modules.common.lora import apply_lora, merge_lora
+from lightning_modules.hici.hici_attention import (QUERY_INITS, GlobalIntegrator, HiCICore, LocalConstructor,
+                                                   is_partitioned)
 from lightning_modules.hici.s2attn import LocalCore, S2Core
+
+log = logging.getLogger(__name__)
 
 ATTENTIONS = ("hici", "s2", "local", "full")
 HICI_KEYS = ("local_constructor", "global_integrator")
 HICI_DEFAULTS = dict(num_segments=4, local_slots=8, global_slots=4, heads=8, bottleneck_dim=512, compress_dim=128,
-                     expand_dim=512, integrator_heads=8, gate_init=0.1, causal_mode="causal_shift_g", eval_segments=1)
+                     expand_dim=512, integrator_heads=8, gate_init=0.1, causal_mode="causal_shift_g", eval_segments=1,
+                     bias=False, global_query_init="top_norm_tokens")
 S2_DEFAULTS = dict(group_ratio=0.25, shift="no_wrap")
 LORA_DEFAULTS = dict(enabled=True, r=8, alpha=16, dropout=0.0, targets=["q_proj", "k_proj", "v_proj", "o_proj"])
 ROPE_DEFAULTS = dict(type="linear", target_length=None, original_length=None)
@@ -61,15 +77,37 @@ def _merge(defaults: dict, given: Mapping | None, what: str) -> dict:
 
 def attach_hici(model, cfg: Mapping[str, Any]) -> list:
     """Register a LocalConstructor and a GlobalIntegrator on every attention layer (before LoRA wrapping), on the
-    layer's device and dtype. Returns the attention layers."""
+    layer's device and dtype, the global queries initialised as ``global_query_init`` says. Returns the layers."""
+    cfg = {**HICI_DEFAULTS, **cfg}
+    if cfg["global_query_init"] not in QUERY_INITS:
+        raise ValueError(f"hici.global_query_init={cfg['global_query_init']!r}: choose one of {', '.join(QUERY_INITS)}")
     layers = attention_modules(model)
+    top_norm = cfg["global_query_init"] == "top_norm_tokens"
+    embeddings = [model.get_input_embeddings().weight] if top_norm else []
     for attn in layers:
         hidden, w = attn.config.hidden_size, attn.q_proj.weight
         with torch.device(w.device):
-            attn.local_constructor = LocalConstructor(hidden, cfg["local_slots"], cfg["bottleneck_dim"], cfg["heads"]).to(w.dtype)
+            attn.local_constructor = LocalConstructor(hidden, cfg["local_slots"], cfg["bottleneck_dim"], cfg["heads"],
+                                                      cfg["bias"]).to(w.dtype)
             attn.global_integrator = GlobalIntegrator(hidden, cfg["global_slots"], cfg["compress_dim"], cfg["expand_dim"],
-                                                      cfg["integrator_heads"], cfg["gate_init"]).to(w.dtype)
+                                                      cfg["integrator_heads"], cfg["gate_init"], cfg["bias"]).to(w.dtype)
+        gi = attn.global_integrator
+        with gathered([*gi.parameters(), *embeddings]):  # ZeRO-3 partitions at construction: init the full tensors
+            if is_partitioned(gi):
+                gi.reset_parameters()
+            if top_norm:
+                gi.init_queries(embeddings[0])
     return layers
+
+
+def gathered(params):
+    """A context in which ZeRO-3-partitioned ``params`` are whole and may be written (rank 0's values are kept);
+    nothing to do otherwise."""
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
 
 
 def is_hici_param(name: str) -> bool:
@@ -132,26 +170,24 @@ class HiCILongContextLM(CausalLMModule):
         if core is not None:
             patch_attention(model, core)
         if self.lora_cfg["enabled"]:
-            from peft import LoraConfig, get_peft_model
-
-            lcfg = LoraConfig(r=self.lora_cfg["r"], lora_alpha=self.lora_cfg["alpha"], lora_dropout=self.lora_cfg["dropout"],
-                              target_modules=list(self.lora_cfg["targets"]), bias="none", task_type="CAUSAL_LM")
-            model = get_peft_model(model, lcfg)
-            for name, p in model.named_parameters():
-                if is_hici_param(name) or any(t in name for t in self.trainable):
-                    p.requires_grad_(True)
+            model = apply_lora(model, self.lora_cfg["r"], self.lora_cfg["alpha"], self.lora_cfg["dropout"],
+                               self.lora_cfg["targets"], trainable=[*self.trainable, *HICI_KEYS])
         return model
 
     def plain_model(self):
         """The transformers model under the peft wrapper (or the model itself without LoRA)."""
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
 
-    def full_model(self):
+    def full_model(self, state_dict: dict | None = None):
         """The `full` inference model: a copy with LoRA merged, HiCI modules dropped and plain attention — a plain
-        transformers model (save_pretrained / from_pretrained round-trip)."""
-        model = copy.deepcopy(self.model)
-        if hasattr(model, "merge_and_unload"):
-            model = model.merge_and_unload()
+        transformers model (save_pretrained / from_pretrained round-trip). With ``state_dict`` (the gathered weights
+        of a sharded model) a fresh unsharded copy is built and loaded instead of copying the sharded one."""
+        if state_dict is None:
+            model = copy.deepcopy(self.model)
+        else:
+            model = self.build_model()
+            model.load_state_dict(state_dict)
+        model = merge_lora(model)
         for attn in attention_modules(model):
             for key in HICI_KEYS:
                 if key in attn._modules:
@@ -165,9 +201,11 @@ class HiCILongContextLM(CausalLMModule):
     # --- loss and evaluation ---------------------------------------------------------------------
     def compute_loss(self, batch):
         mask = batch.get("attention_mask")
-        if mask is not None and self.attention != "full" and not bool(mask.all()):
+        if mask is not None and self.attention in ("s2", "local") and not bool(mask.all()):
             raise ValueError(f"model.attention={self.attention} trains on packed, unpadded sequences; this batch "
-                             "has padding (use datamodules.long_context / packed data)")
+                             "has padding (use datamodules.long_context / packed data, or model.attention=hici)")
+        if mask is not None:  # padded positions are never targets
+            batch = {**batch, "labels": batch["labels"].masked_fill(mask == 0, -100)}
         return super().compute_loss(batch)
 
     @torch.no_grad()
@@ -178,20 +216,38 @@ class HiCILongContextLM(CausalLMModule):
     def on_test_epoch_end(self):
         super().on_test_epoch_end()
         dm = getattr(self.trainer, "datamodule", None)
-        if dm is None or self.trainer.global_rank != 0:
+        if dm is None:
             return
-        self.results.update(self.long_context_eval(dm))
+        self.results.update(self.long_context_eval(dm))  # on every rank: sharded weights need all of them
         for k, v in self.results.items():
             if isinstance(v, (int, float)):
-                self.log(f"test/{k}", float(v), rank_zero_only=True)
+                self.log(f"test/{k}", float(v))  # already reduced: the same value on every rank
+        if not self.trainer.is_global_zero:
+            return
+        from lightning_modules.common.dashboard import curve, log_table
+
+        by = {m: {int(k.split("@")[1]): v for k, v in self.results.items() if k.startswith(m + "@")} for m in ("ppl", "passkey")}
+        log_table("long_context/by_length", [{"context_length": n, "ppl": by["ppl"].get(n), "passkey": by["passkey"].get(n)}
+                                             for n in sorted(set(by["ppl"]) | set(by["passkey"]))], self.loggers)
+        for m, label in (("ppl", "perplexity"), ("passkey", "passkey accuracy")):
+            if by[m]:
+                curve(f"long_context/{m}", {self.eval_cfg.get("mode", m): (sorted(by[m]), [by[m][n] for n in sorted(by[m])])},
+                      self.loggers, xlabel="context length (tokens)", ylabel=label, logx=True)
 
     @torch.no_grad()
     def long_context_eval(self, dm) -> dict:
-        """Sliding-window perplexity at several lengths and passkey retrieval, in ``eval_mode``."""
+        """Sliding-window perplexity at several lengths and passkey retrieval, in ``eval_mode``. Each rank takes its
+        share of windows and samples; sums are reduced over ranks, so every rank returns the same figures."""
         from datamodules.synthetic import passkey_sample
         from lightning_modules.common.evaluation import greedy_generate, perplexity, string_match_part
 
         cfg, out = self.eval_cfg, {}
+        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self._trainer is not None else (0, 1)
+
+        def total(*values):  # summed over ranks
+            t = torch.tensor(values, dtype=torch.float64, device=self.device)
+            return (self.trainer.strategy.reduce(t, reduce_op="sum") if world > 1 else t).tolist()
+
         was_training = self.model.training
         self.model.eval()
         with self._eval_context():
@@ -203,28 +259,48 @@ class HiCILongContextLM(CausalLMModule):
                     out[f"ppl@{length}"] = float("nan")
                     continue
                 stride = cfg["ppl_stride"] or length // 4
-                out[f"ppl@{length}"] = perplexity(self.model, tokens, seq_len=length, stride=min(stride, length), batch_size=1)["ppl"]
-            for length in cfg["passkey_lengths"]:
-                hits = []
-                for i in range(cfg["passkey_samples"]):
-                    s = passkey_sample(dm.tokenizer, length, seed=10_000 + i)
-                    pred = greedy_generate(self.model, dm.tokenizer, [s["prompt"]], cfg["passkey_new_tokens"])[0]
-                    hits.append(string_match_part(pred, [s["answer"]]))
-                if hits:
-                    out[f"passkey@{length}"] = sum(hits) / len(hits)
+                r = perplexity(self.model, tokens, seq_len=length, stride=min(stride, length), batch_size=1,
+                               shard=(rank, world))
+                nll, n = total(r["nll"], r["tokens"])
+                out[f"ppl@{length}"] = math.exp(nll / n)
+            n = cfg["passkey_samples"]
+            for length in cfg["passkey_lengths"] if n else []:
+                hits = 0.0
+                for i in range(rank, n + (-n % world), world):  # the same number of generate calls on every rank
+                    s = passkey_sample(dm.tokenizer, length, seed=10_000 + min(i, n - 1))
+                    pred = greedy_generate(self.model, dm.tokenizer, [s["prompt"]], cfg["passkey_new_tokens"],
+                                           synced_gpus=world > 1)[0]
+                    hits += string_match_part(pred, [s["answer"]]) if i < n else 0.0
+                out[f"passkey@{length}"] = total(hits)[0] / n
         self.model.train(was_training)
         return out
 
     def on_fit_end(self):
-        if self.export_dir and self.trainer.global_rank == 0 and self._exportable():
-            self.full_model().save_pretrained(self.export_dir)
+        if not self.export_dir:
+            return
+        if getattr(self.trainer.strategy, "zero_stage_3", False):
+            # rebuilding an unsharded copy on rank 0 alone would re-enter ZeRO-3's collective construction
+            # (transformers sees the run's DeepSpeed config): convert the checkpoint, then call full_model()
+            if self.trainer.global_rank == 0:
+                log.warning("model.export_dir: not written under ZeRO-3; convert the checkpoint to fp32 "
+                            "(lightning.pytorch.utilities.deepspeed) and export with full_model()")
+            return
+        state = self._gathered_state_dict()  # a collective under FSDP2: every rank takes part
+        if self.trainer.global_rank == 0:
+            self.full_model(state).save_pretrained(self.export_dir)
             tok = getattr(getattr(self.trainer, "datamodule", None), "tokenizer", None)
             if tok is not None:
                 tok.save_pretrained(self.export_dir)
 
-    def _exportable(self) -> bool:
-        cfg = getattr(self.trainer.strategy, "config", None) or {}
-        return (cfg.get("zero_optimization") or {}).get("stage", 0) < 3  # ZeRO-3: convert the checkpoint first
+    def _gathered_state_dict(self) -> dict | None:
+        """The full weights on rank 0 when FSDP2 shards them (DTensors); None otherwise."""
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(p, DTensor) for p in self.model.parameters()):
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return None
 
     # --- optimisation ----------------------------------------------------------------------------
     def _named_trainable(self):

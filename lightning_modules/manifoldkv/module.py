@@ -3,7 +3,8 @@
 The paper's procedure is an evaluation, so it runs as the module's test loop (``task: test``): for every sample the
 context is prefilled under the press (compressed once), the question + answer prefix are appended after
 compression and the answer is greedy-decoded (``kv_press.prefill_and_answer``). Scored by RULER's string match
-(all references; any reference for ``qa_*`` tasks), reported x100 as RULER does.
+(all references; any reference for ``qa_*`` tasks) after kvpress's clean-up of the prediction, reported x100 as
+RULER does.
 
 Logged: ``test/accuracy`` (mean over task x length cells), ``test/acc/<task>/<length>``, ``test/answer_nll``
 (teacher-forced NLL per token of the first reference: a graded signal where a tiny model scores 0 on RULER),
@@ -11,44 +12,58 @@ Logged: ``test/accuracy`` (mean over task x length cells), ``test/acc/<task>/<le
 ``test/prefill_ms`` and ``test/decode_ms_per_token``. ``self.results`` holds the per-task table, the mean
 per-(layer, head) retained fraction (the budgets AdaKV hands out) and a few predictions.
 
-Switches (``model.press``, plain data for ``kv_press.build_press``):
-    name: manifoldkv | windowed_manifoldkv | keydiff | knorm | snapkv | streaming | random
-    compression_ratio: fraction of KV pairs removed (paper: 0.2 on RULER 4K-16K, 0.4/0.5 multi-key, 0.25 at 64K)
-    wrapper: adakv (the paper's numbers are with Ada-KV) | block (KeyDiff's block-wise prefill) | null
-    window_size: null = global centroid (ManifoldKV); int = WindowedManifoldKV (paper: 4096)
-    pre_rope: false = post-RoPE cache keys (kvpress hook, the default); true = keys with the rotation undone
-    distance: l2 (the method) | l1 | linf | cosine: the paper's distance ablation (cosine 52.8, Linf 71.2, L1 78.5, L2 92.7)
-    alpha_safeguard (AdaKV, 0.2), block_size (Block), snap_window / kernel_size (SnapKV), n_sink (StreamingLLM)
+Switches (config groups, each press chosen by ``_target_``):
+    model/press=manifoldkv | windowed_manifoldkv | keydiff | knorm | snapkv | streaming | random
+        (conf/model/press/*.yaml; a paper adds its own file there). Every press takes ``compression_ratio``: the
+        fraction of KV pairs removed (paper: 0.2 on RULER 4K-16K, 0.4/0.5 multi-key, 0.25 at 64K).
+        ManifoldKV: ``window_size`` (null = global centroid; 4096 = WindowedManifoldKV), ``pre_rope`` (false =
+        post-RoPE cache keys, the kvpress hook; true = the rotation undone), ``distance`` (l2, the method | l1 |
+        linf | cosine: the paper's ablation, cosine 52.8, Linf 71.2, L1 78.5, L2 92.7). SnapKV: ``window_size``,
+        ``kernel_size``. StreamingLLM: ``n_sink``.
+    model/press_wrapper=adakv | block | null (conf/model/press_wrapper/*.yaml: a partial that takes the inner press;
+        the paper's RULER numbers are with Ada-KV, ``alpha_safeguard`` 0.2; Block: ``block_size``).
 Keys are the post-RoPE cached keys (the spec's [INF]; the sources are silent).
 """
 from __future__ import annotations
 
+import re
 from collections import defaultdict
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
 from lightning_modules.common.evaluation import string_match_all, string_match_part
-from lightning_modules.common.kv_press import build_press, prefill_and_answer
-from lightning_modules.common.lm import CausalLMModule, _plain
+from lightning_modules.common.kv_press import Press, prefill_and_answer
+from lightning_modules.common.lm import CausalLMModule
 
 
 class KVPressEvalModule(CausalLMModule):
     """A backbone evaluated on the RULER-style suite under one press and ratio.
 
     Args:
-        backbone: backbone spec (paper scale: llama31_8b / qwen3_8b; tiny: the cached tiny-lm).
-        press: press spec (see module docstring); ``None`` or ratio 0 = the uncompressed baseline.
+        backbone: backbone spec (paper scale: llama31_8b / qwen3_8b / ministral_8b / gemma3_12b; tiny: the cached
+            tiny-lm).
+        press: the press (``model/press``); ``None`` or ratio 0 = the uncompressed baseline.
+        press_wrapper: a callable ``press_wrapper(press=press)`` returning the wrapped press (``model/press_wrapper``,
+            a partial of AdaKV or Block), or ``None``.
         max_new_tokens: cap on generated tokens (each task has RULER's own budget; the smaller is used).
         n_predictions: how many predictions to keep in ``results`` for inspection.
     """
 
-    def __init__(self, backbone: Mapping[str, Any], press: Mapping[str, Any] | None = None,
-                 max_new_tokens: int | None = None, n_predictions: int = 8):
+    def __init__(self, backbone: Mapping[str, Any], press: Press | None = None,
+                 press_wrapper: Callable[..., Press] | None = None, max_new_tokens: int | None = None,
+                 n_predictions: int = 8):
         super().__init__(backbone=backbone)
-        self.press_spec = _plain(press) if press else None
-        self.hparams["press"] = self.press_spec
-        self.press = build_press(**self.press_spec) if self.press_spec else None  # bad spec fails here, early
+        if press is not None and not isinstance(press, Press):  # e.g. a leftover mapping without _target_
+            raise ValueError(f"model.press={press!r} is not a press: choose one with model/press=<name> "
+                             "(conf/model/press/*.yaml)")
+        if press_wrapper is not None and press is None:
+            raise ValueError("model/press_wrapper wraps a press: choose one with model/press=<name>, or "
+                             "model/press_wrapper=null")
+        self.press = press_wrapper(press=press) if press_wrapper is not None else press
+        self.press_spec = self.press.spec() if self.press is not None else None
+        self.hparams["press"] = self.press_spec  # plain data: what ran (the wrapper is folded in)
+        self.hparams.pop("press_wrapper", None)
         self.max_new_tokens = max_new_tokens
         self.n_predictions = n_predictions
         self.rows: list[dict] = []
@@ -71,7 +86,8 @@ class KVPressEvalModule(CausalLMModule):
             budget = min(budget, self.max_new_tokens)
         out = prefill_and_answer(self.model, self.press, sample["context_ids"], [sample["question_ids"]],
                                  max_new_tokens=budget, eos_token_id=tok.eos_token_id, gold=[sample["gold_ids"]])
-        pred = tok.decode(out.answers[0], skip_special_tokens=True)
+        # kvpress's RULER scorer strips control characters before matching
+        pred = re.sub(r"[\x00-\x1f]", "", tok.decode(out.answers[0], skip_special_tokens=True).strip()).strip()
         metric = string_match_part if sample["task"].startswith("qa") else string_match_all
         self.rows.append({
             "task": sample["task"], "length": int(sample["length"]), "score": 100.0 * metric(pred, sample["outputs"]),
@@ -106,6 +122,14 @@ class KVPressEvalModule(CausalLMModule):
             "press": self.press_spec,
             "accuracy_per_task": per_cell,
             "retained_fraction_per_head": {layer: torch.tensor(v).mean(0).tolist() for layer, v in budgets.items()},
-            "predictions": [{k: r[k] for k in ("task", "length", "prediction", "outputs", "score")}
+            "predictions": [{k: r[k] for k in ("task", "length", "context_tokens", "prediction", "outputs", "score")}
                             for r in rows[: self.n_predictions]],
         }
+        from lightning_modules.common.dashboard import heatmap, log_table
+
+        press = str(self.press_spec)  # the press and its ratio: a sweep's runs line up in W&B by this column
+        log_table("kv/accuracy", [{"task": c.split("/")[0], "length": int(c.split("/")[1]), "press": press,
+                                   "accuracy": a} for c, a in per_cell.items()], self.loggers)
+        heads = self.results["retained_fraction_per_head"]
+        heatmap("kv/retained_fraction_per_head", [heads[k] for k in heads], self.loggers, xlabel="KV head",
+                ylabel="layer", yticks=list(heads))

@@ -228,3 +228,14 @@ class QATLawModule(CausalLMModule):
         self.log("test/loss", sum(losses.values()) / len(losses))
         self.results = {"qat_law": {"N": counts.get("params/non_embedding"), "D": int(tokens),
                                     "N_total": counts.get("params/total"), "rows": rows}}
+        from lightning_modules.common.dashboard import figure, log_figure, log_table
+
+        log_table("qat/variants", [{"N": self.results["qat_law"]["N"], "D": int(tokens), **r} for r in rows], self.loggers)
+        quant = [r for r in rows if r["variant"] != FP]
+        if quant and any(self.loggers):  # the QAT loss gap δ of each variant over its full-precision twin
+            fig, ax = figure(figsize=(max(4, 0.8 * len(quant)), 3.5))
+            ax.bar([r["variant"] for r in quant], [r["delta"] or 0.0 for r in quant])
+            ax.set(ylabel="δ = loss − loss(fp)", title=f"QAT gap at N={self.results['qat_law']['N']}, D={int(tokens)}")
+            ax.tick_params(axis="x", rotation=45)
+            fig.tight_layout()
+            log_figure("qat/delta", fig, self.loggers)

@@ -143,6 +143,19 @@ class QuantizeLMModule(CausalLMModule):
             val = self.results.get("quantization", {}).get(key)
             if val is not None:
                 self.log(f"quant/{key}", float(val))
+        self.dashboard(self.results.get("layers") or [])
+
+    def dashboard(self, layers: list[dict]) -> None:
+        """Rate and distortion per layer, and each layer's rate against the Gaussian R(D) limit at its distortion."""
+        from lightning_modules.common.dashboard import curve, log_table
+
+        log_table("quant/layers", layers, self.loggers)
+        layers = sorted((r for r in layers if r.get("rd_limit") is not None), key=lambda r: r["rel_mse"])
+        if layers:
+            x = [r["rel_mse"] for r in layers]
+            curve("quant/rate_vs_limit", {self.method: (x, [r["bits"] for r in layers]),
+                                          "R(D) limit": (x, [r["rd_limit"] for r in layers])},
+                  self.loggers, xlabel="relative output MSE per layer", ylabel="bits per weight", logx=True)
 
     @torch.no_grad()
     def evaluate_text(self, name: str, spec: dict) -> dict[str, float]:

@@ -40,6 +40,10 @@ from lightning_modules.common.rl.rollouts import (Rollouts, batched_logprobs, ge
                                                   response_logprobs)
 
 
+# train/* metrics kept per step for the dashboard's curves
+DASHBOARD_CURVES = ("train/reward", "train/accuracy", "train/response_length", "train/tokens_backprop", "train/tokens_full")
+
+
 class SavedBytes:
     """Counts bytes of the tensors autograd saves for backward inside the block (activation memory of one
     forward; works on CPU, where a process's peak RSS cannot show it). Off: a no-op. Tensors sharing storage with
@@ -76,6 +80,8 @@ class RLModule(CausalLMModule):
                  beta: float = 0.0, max_grad_norm: float | None = 1.0, warmup: Mapping[str, Any] | None = None,
                  val_max_new_tokens: int | None = None, measure_activations: bool = False, packing: bool = False):
         super().__init__(backbone, optimizer, scheduler, weight_decay)
+        self._curves: list[dict] = []    # per step, for the dashboard's plots at fit end
+        self._samples: list[dict] = []   # a few greedy completions per evaluation, for its table
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"model.aggregation={aggregation!r}: choose one of {', '.join(AGGREGATIONS)}")
         if advantage == "rloo" and group_size < 2:
@@ -99,8 +105,14 @@ class RLModule(CausalLMModule):
             from lightning_modules.common.backbone import build_backbone
             from lightning_modules.common.rl.warmup import warmup_dir
 
-            return build_backbone({**self.backbone_spec, "pretrained": str(warmup_dir(self.backbone_spec, self.warmup))})
+            warmup = {**self.warmup, **self.held_out_fractions()}
+            return build_backbone({**self.backbone_spec, "pretrained": str(warmup_dir(self.backbone_spec, warmup))})
         return super().build_model()
+
+    def held_out_fractions(self) -> dict[str, float]:
+        """The data's val/test shares of the problem space, which the warm-up must not train on."""
+        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        return {k: float(getattr(dm, k)) for k in ("val_fraction", "test_fraction") if hasattr(dm, k)}
 
     def reference(self):
         if self.beta and self._ref is None:
@@ -246,11 +258,13 @@ class RLModule(CausalLMModule):
             log["train/kl_ref"] = st["kl_ref"] / max(1.0, st["kept"])
         self.log_dict(log, on_step=True, on_epoch=False, prog_bar=False, batch_size=len(ro))
         self.log("train/reward_step", log["train/reward"], prog_bar=True, on_step=True, on_epoch=False, batch_size=len(ro))
+        self._curves.append({"step": self.global_step, **{k[6:]: log[k] for k in DASHBOARD_CURVES}})
         return {"loss": torch.tensor(log["train/loss"])}
 
     # --- evaluation: greedy exact match ------------------------------------------------------------
     def on_validation_epoch_start(self):
         self._eval = torch.zeros(2, dtype=torch.float64, device=self.device)
+        self._samples = []
 
     @torch.no_grad()
     def validation_step(self, batch, batch_idx):
@@ -259,12 +273,28 @@ class RLModule(CausalLMModule):
                                tok.pad_token_id, temperature=0.0, tokenizer=tok)
         r = self.score(ro, batch["answer"])
         self._eval += torch.tensor([float(r.sum()), float(len(r))], dtype=torch.float64, device=self.device)
+        self._samples += [{"prompt": tok.decode(p, skip_special_tokens=True), "completion": c, "answer": a, "reward": float(x)}
+                          for p, c, a, x in zip(batch["prompt_ids"], ro.completions, batch["answer"], r)][:8 - len(self._samples)]
 
     def _eval_end(self, prefix: str):
         tot = self._eval
         if self.trainer.world_size > 1:
             tot = self.trainer.strategy.reduce(tot, reduce_op="sum")
         self.log(f"{prefix}/accuracy", (tot[0] / tot[1].clamp_min(1)).float(), prog_bar=True, sync_dist=False)
+        from lightning_modules.common.dashboard import log_table
+
+        log_table(f"{prefix}/completions", [{"step": self.global_step, **s} for s in self._samples], self.loggers)
+
+    def on_fit_end(self):
+        """Reward and accuracy, response length and tokens backpropagated against the step, as plots."""
+        from lightning_modules.common.dashboard import curve
+
+        steps = [c["step"] for c in self._curves]
+        for keys, ylabel in ((("reward", "accuracy"), "train reward / accuracy"), (("response_length",), "tokens"),
+                             (("tokens_backprop", "tokens_full"), "response tokens per step")):
+            if steps:
+                curve(f"rl/{keys[0]}", {k: (steps, [c[k] for c in self._curves]) for k in keys}, self.loggers,
+                      xlabel="step", ylabel=ylabel)
 
     def on_validation_epoch_end(self):
         self._eval_end("val")

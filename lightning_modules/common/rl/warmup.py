@@ -2,7 +2,9 @@
 
 RL from a model whose reward is always 0 learns nothing (every group advantage is 0). The tiny experiments
 therefore start from the project's tiny pretrained LM fine-tuned for ``steps`` steps on generated
-(prompt, solution) pairs of the RL task, with the loss on solution tokens only. The result is saved in
+(prompt, solution) pairs of the RL task, with the loss on solution tokens only. The pairs come from the train
+part of the problem space only (``datamodules.verifiable``'s hash split, with the run's ``val_fraction`` and
+``test_fraction``, which the RL module copies into the warm-up config), so no val or test problem is warmed up on. The result is saved in
 transformers format under ``cache_root()/rl_warmup/<key>``, the key hashing the backbone spec, the warm-up
 config, the tiny model's key and this file and the task generator, so it is trained once per configuration.
 """
@@ -16,6 +18,15 @@ import torch
 
 from datamodules.common.cache import cache_root, stable_hash
 
+
+def held_out(warmup: Mapping[str, Any]) -> tuple[float, float]:
+    """The (val, test) shares of the problem space the warm-up must not see; required, so none is forgotten."""
+    if "val_fraction" not in warmup or "test_fraction" not in warmup:
+        raise ValueError("model.warmup needs val_fraction and test_fraction (the data's: the RL module copies "
+                         "data.val_fraction / data.test_fraction), so the warm-up never sees a held-out problem")
+    return float(warmup["val_fraction"]), float(warmup["test_fraction"])
+
+
 def warmup_key(backbone: Mapping[str, Any], warmup: Mapping[str, Any]) -> str:
     """Hash of what decides the warmed-up weights: the starting checkpoint, the warm-up config and the task's
     examples (a sample of them, so edits elsewhere in the generator module do not retrain)."""
@@ -25,10 +36,10 @@ def warmup_key(backbone: Mapping[str, Any], warmup: Mapping[str, Any]) -> str:
     sample = generate_problems(warmup.get("task", "arithmetic"), 4, 1, int(warmup.get("digits", 2)),
                                tuple(warmup.get("operations", ("+", "-"))))
     parts = [start, dict(warmup), PROMPT, sample]
-    if backbone.get("pretrained") == "tiny-lm":
-        from lightning_modules.common.tiny_pretrained import tiny_pretrained_key
+    from datamodules.common.tiny_models import is_tiny_model, key
 
-        parts.append(tiny_pretrained_key())
+    if is_tiny_model(backbone.get("pretrained")):
+        parts.append(key(backbone["pretrained"]))
     return stable_hash(*parts)
 
 
@@ -50,9 +61,18 @@ def sft_batch(tokenizer, problems: list[dict], device) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": lab}
 
 
+def warmup_problems(warmup: Mapping[str, Any]) -> list[dict]:
+    """The warm-up's (prompt, solution) problems: ``steps * batch_size`` draws from the train part only."""
+    from datamodules.verifiable import generate_problems
+
+    val_fraction, test_fraction = held_out(warmup)
+    return generate_problems(warmup.get("task", "arithmetic"), int(warmup["steps"]) * int(warmup.get("batch_size", 32)),
+                             int(warmup.get("seed", 0)) + 104729, int(warmup.get("digits", 2)),
+                             tuple(warmup.get("operations", ("+", "-"))), "train", val_fraction, test_fraction)
+
+
 def train_warmup(backbone: Mapping[str, Any], warmup: Mapping[str, Any], out_dir: Path) -> None:
     from datamodules.common.tokenizer import load_tokenizer
-    from datamodules.verifiable import generate_problems
     from lightning_modules.common.backbone import build_backbone
 
     torch.manual_seed(int(warmup.get("seed", 0)))
@@ -61,8 +81,7 @@ def train_warmup(backbone: Mapping[str, Any], warmup: Mapping[str, Any], out_dir
     if tok is None:
         raise ValueError("the RL warm-up needs a pretrained backbone with its tokenizer (backbone.pretrained)")
     steps, bs = int(warmup["steps"]), int(warmup.get("batch_size", 32))
-    problems = generate_problems(warmup.get("task", "arithmetic"), steps * bs, int(warmup.get("seed", 0)) + 104729,
-                                 int(warmup.get("digits", 2)), tuple(warmup.get("operations", ("+", "-"))))
+    problems = warmup_problems(warmup)
     opt = torch.optim.AdamW(model.parameters(), lr=float(warmup.get("lr", 1e-3)), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / steps))
     model.train()

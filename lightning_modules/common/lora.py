@@ -1,0 +1,41 @@
+"""LoRA adapters through peft, shared by every paper that adapts a frozen backbone (hici; spard, mdlm_masks, esr and
+real_vqa next).
+
+``apply_lora`` wraps a transformers model with LoRA on the ``targets`` linear layers, freezes everything else, then
+unfreezes whatever the recipe trains in full (``trainable``: parameter-name substrings, e.g. LongLoRA's
+``["embed", "norm"]``). ``merge_lora`` folds the adapters into the base weights and returns the plain model.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def apply_lora(model: torch.nn.Module, r: int = 8, alpha: float = 16, dropout: float = 0.0,
+               targets: Sequence[str] = DEFAULT_TARGETS, trainable: Sequence[str] = (),
+               task_type: str = "CAUSAL_LM") -> torch.nn.Module:
+    """The peft-wrapped model: LoRA(r, alpha, dropout) on ``targets``, and parameters whose name contains any of
+    ``trainable`` trained in full; every other parameter frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    if r <= 0:
+        raise ValueError(f"lora.r={r} must be a positive rank")
+    missing = [t for t in targets if not any(n.split(".")[-1] == t for n, _ in model.named_modules())]
+    if missing:
+        raise ValueError(f"lora.targets {missing} match no module of {type(model).__name__}; name its linear layers "
+                         "(e.g. q_proj, v_proj)")
+    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), bias="none",
+                     task_type=task_type)
+    model = get_peft_model(model, cfg)
+    for name, p in model.named_parameters():
+        if any(t in name for t in trainable):
+            p.requires_grad_(True)
+    return model
+
+
+def merge_lora(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain transformers model with the adapters folded into its weights (in place; copy first to keep both)."""
+    return model.merge_and_unload() if hasattr(model, "merge_and_unload") else model

@@ -1,0 +1,344 @@
+"""What ``run.py`` does with a composed config: check it, instantiate, run the task, write results.
+
+The runner is the one writer of ``metrics.json`` (with any callbacks, or none). Kept free of module-level heavy
+imports: ``python run.py --cfg job`` must not import Lightning.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import math
+import time
+import traceback
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+TASKS = ("fit", "test", "fit_test", "validate")
+MODES = ("min", "max")
+log = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """A config that cannot work, found before any expensive work; the message names the fix."""
+
+
+def register_resolvers() -> None:
+    if not OmegaConf.has_resolver("run_dirname"):
+        # The part of a run dir that comes from the command line's overrides; 'default' when there are none.
+        OmegaConf.register_new_resolver("run_dirname", run_dirname)
+    from callbacks.hydra_summary import register_resolvers as register_sweep_resolvers
+
+    register_sweep_resolvers()  # sweep dir and W&B group
+
+
+def run_dirname(overrides: str, max_len: int = 160) -> str:
+    """A run dir name from ``hydra.job.override_dirname``: readable, deterministic, within a filename's limit.
+
+    Long override lists (a file name holds at most 255 bytes) keep their first part and end in a hash of the
+    whole, so the same command still finds the same dir and different commands never share one.
+    """
+    if not overrides:
+        return "default"
+    name = overrides.replace("/", "_")
+    if len(name.encode()) <= max_len:
+        return name
+    import hashlib
+
+    digest = hashlib.sha1(overrides.encode()).hexdigest()[:12]
+    return name.encode()[: max_len - 13].decode(errors="ignore") + "-" + digest
+
+
+def _strategy_target(cfg: DictConfig) -> str:
+    strategy = cfg.trainer.get("strategy")
+    return strategy.get("_target_", "") if isinstance(strategy, DictConfig) else str(strategy or "")
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Impossible combinations and missing inputs, each as one line, before anything is built."""
+    if cfg.get("task") not in TASKS:
+        raise ConfigError(f"task={cfg.get('task')!r}: choose one of {', '.join(TASKS)}")
+    if cfg.get("optimized_mode") not in MODES:
+        raise ConfigError(f"optimized_mode={cfg.get('optimized_mode')!r}: choose min (lower is better) or max")
+    tr = cfg.trainer
+    if str(tr.get("accelerator")) in ("gpu", "cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("trainer.accelerator=gpu but this machine has no CUDA GPU: use trainer=cpu")
+    target = _strategy_target(cfg)
+    devices = tr.get("devices", 1)
+    n_dev = devices if isinstance(devices, int) else (len(devices) if not isinstance(devices, str) else -1)
+    world = n_dev * int(tr.get("num_nodes", 1) or 1) if n_dev > 0 else -1
+    if "ModelParallelStrategy" in target and world == 1:
+        raise ConfigError("trainer=fsdp with trainer.devices=1 shards nothing: use trainer=cpu/gpu, or set trainer.devices>=2")
+    strategy = tr.get("strategy")
+    if "ModelParallelStrategy" in target and isinstance(strategy, DictConfig) and (strategy.get("tensor_parallel_size") or 1) > 1:
+        raise ConfigError("trainer=fsdp with tensor_parallel_size>1: paperlab modules shard with FSDP2 over data "
+                          "parallelism only; set trainer.strategy.tensor_parallel_size=1")
+    if "deepspeed" in target.lower() and tr.get("accelerator") == "cpu" and not cfg.get("allow_deepspeed_cpu", False):
+        raise ConfigError("DeepSpeed needs GPUs (trainer.accelerator=gpu); on CPU use trainer=ddp or trainer=fsdp")
+    pretrained = cfg.get("backbone", {}).get("pretrained")
+    if pretrained:
+        from datamodules.common.tiny_models import resolve_pretrained
+
+        resolve_pretrained(pretrained)  # one clear line for a missing local path or a tiny model not built yet
+    ckpt = cfg.get("ckpt_path")
+    if ckpt and ckpt not in ("last", "best") and not Path(ckpt).exists():
+        raise ConfigError(f"ckpt_path={ckpt!r} does not exist: pass an existing .ckpt, or ckpt_path=last to resume this run dir")
+    _check_numbers(cfg, "")
+
+
+def _numeric_params(target: str) -> dict:
+    """The parameters of a ``_target_`` that take a number, with their defaults (read from its signature)."""
+    from hydra.utils import get_object
+
+    try:
+        params = inspect.signature(get_object(target)).parameters
+    except Exception:  # noqa: BLE001 - a target that does not import fails later with its own message
+        return {}
+    return {name: p.default for name, p in params.items()
+            if type(p.default) in (int, float) or p.annotation in (int, float, "int", "float")}
+
+
+def _check_numbers(node, where: str) -> None:
+    """A word where a target takes a number (``model.optimizer.lr=abc``) is a one-line error, not a TypeError later.
+
+    Walks the config's own nodes (interpolations left unresolved, except the values checked)."""
+    from omegaconf import ListConfig
+
+    if isinstance(node, ListConfig):
+        for i in range(len(node)):
+            _check_numbers(node._get_node(i), f"{where}[{i}]")
+        return
+    if not isinstance(node, DictConfig) or node._is_none() or node._is_missing() or node._is_interpolation():
+        return
+    target = node._get_node("_target_") if "_target_" in node else None
+    numeric = _numeric_params(target._value()) if target is not None and isinstance(target._value(), str) else {}
+    for key in node.keys():
+        if not where and key == "hydra":
+            continue
+        path = f"{where}.{key}" if where else str(key)
+        if key in numeric and isinstance(value := node[key], str):
+            try:
+                float(value)
+            except ValueError:
+                example = numeric[key] if type(numeric[key]) in (int, float) else 1
+                raise ConfigError(f"{path}={value!r} is not a number ({target._value()} takes a number for "
+                                  f"{key}): pass one, e.g. {path}={example}") from None
+        _check_numbers(node._get_node(key), path)
+
+
+def _instantiate_dict(node, what: str) -> list:
+    from hydra.utils import instantiate
+
+    out = []
+    for name, sub in (node or {}).items():
+        if isinstance(sub, DictConfig) and "_target_" in sub:
+            out.append(instantiate(sub, _convert_="all"))
+    return out
+
+
+def _is_multirun() -> bool:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        return HydraConfig.get().mode == RunMode.MULTIRUN
+    except Exception:
+        return False
+
+
+def _number(v) -> float | None:
+    """A logged scalar as a float; None for tensors with several values."""
+    if hasattr(v, "numel"):
+        if v.numel() != 1:
+            return None
+        v = v.detach().float().item()
+    return float(v) if isinstance(v, (int, float)) else None
+
+
+def _plain(v):
+    """JSON for what module.results may hold beyond plain types (a 0-dim tensor, a numpy number, a path)."""
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return str(v)
+
+
+class _State:
+    """What a job has built and seen so far, so ``metrics.json`` is complete whether the job ends or fails."""
+
+    def __init__(self, cfg: DictConfig):
+        self.t0 = time.time()
+        self.metric, self.mode = cfg.get("optimized_metric"), cfg.get("optimized_mode")
+        self.trainer = self.module = None
+        self.seen: dict[str, float] = {}  # NaN included: what sweepers get back
+        self.final: dict[str, float] = {}
+        self.best: dict = {"metric": self.metric, "mode": self.mode, "value": None, "step": None}
+
+    def collect(self) -> None:
+        """The trainer's current metrics into ``final``; the optimized metric's best (by ``optimized_mode``)."""
+        if self.trainer is None:
+            return
+        for k, v in self.trainer.callback_metrics.items():
+            if (x := _number(v)) is not None:
+                self.seen[k] = x
+        self.final = {k: x for k, x in self.seen.items() if not math.isnan(x)}  # every stage's last value
+        x, old = self.final.get(self.metric), self.best["value"]
+        if x is not None and (old is None or (x < old if self.mode == "min" else x > old)):
+            self.best.update(value=x, step=self.trainer.global_step)
+
+    def callback(self):
+        """A Lightning callback that collects after every validation and test (added whatever ``callbacks`` is)."""
+        import lightning as L
+
+        state = self
+
+        class _Collect(L.Callback):
+            def on_validation_end(self, trainer, pl_module):
+                if not trainer.sanity_checking:
+                    state.collect()
+
+            def on_test_end(self, trainer, pl_module):
+                state.collect()
+
+        return _Collect()
+
+    def write(self, path: Path, status: str) -> None:
+        trainer, module = self.trainer, self.module
+        if trainer is not None and trainer.global_rank != 0:
+            return
+        payload = {"status": status, "final": self.final, "best": self.best,
+                   "global_step": trainer.global_step if trainer is not None else 0,
+                   "epoch": trainer.current_epoch if trainer is not None else 0,
+                   "wall_time_s": round(time.time() - self.t0, 2),
+                   "parameters": module.parameter_counts() if hasattr(module, "parameter_counts") else {},
+                   # papers with extra results (tables, per-task accuracy) put plain dicts in module.results
+                   "results": getattr(module, "results", None) or {}}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(payload, indent=2, default=_plain))
+        tmp.replace(path)
+
+
+def run(cfg: DictConfig):
+    """Run one job; in a multirun a failed job is recorded (metrics.json, summary) and the others go on."""
+    state = _State(cfg)
+    try:
+        return _run(cfg, state)
+    except BaseException as err:  # noqa: BLE001 - recorded, then re-raised or reported
+        if isinstance(err, KeyboardInterrupt):
+            raise
+        try:
+            state.collect()
+            state.write(Path(cfg.paths.output_dir) / "metrics.json", f"failed: {type(err).__name__}: {err}")
+        except Exception:
+            pass
+        if _is_multirun():
+            traceback.print_exc()
+            return float("nan")
+        raise
+    finally:
+        _finish_wandb()
+
+
+def _finish_wandb() -> None:
+    import sys
+
+    if "wandb" in sys.modules:  # only if a wandb logger was made; never import it otherwise
+        import wandb
+
+        if wandb.run is not None:
+            wandb.finish()
+
+
+def _log_once() -> None:
+    """Lightning's own console handler repeats every line Hydra's job logging (on the root logger) prints."""
+    if logging.getLogger().handlers:
+        logging.getLogger("lightning").handlers.clear()
+
+
+def _needs_no_logger(callbacks: list, loggers: list) -> list:
+    """Without a logger, drop the callbacks that refuse to run without one (one info line), keep the rest."""
+    if loggers:
+        return callbacks
+    from lightning.pytorch.callbacks import DeviceStatsMonitor, LearningRateMonitor
+
+    dropped = [type(c).__name__ for c in callbacks if isinstance(c, (LearningRateMonitor, DeviceStatsMonitor))]
+    if dropped:
+        log.info(f"no logger: dropped {', '.join(dropped)} (it needs one)")
+    return [c for c in callbacks if type(c).__name__ not in dropped]
+
+
+def _run(cfg: DictConfig, state: _State):
+    check_config(cfg)
+    import lightning as L
+    from hydra.utils import instantiate
+
+    _log_once()
+
+    L.seed_everything(cfg.seed, workers=True)
+    out_dir = Path(cfg.paths.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    datamodule = instantiate(cfg.data, _convert_="all") if cfg.get("data") and "_target_" in cfg.data else None
+    module = state.module = instantiate(cfg.model, _convert_="all")
+    callbacks = _instantiate_dict(cfg.get("callbacks"), "callbacks")
+    if "deepspeed" in _strategy_target(cfg).lower():  # transformers must know about ZeRO-3 while the backbone is built
+        from callbacks.deepspeed_hf import HFZero3Init
+
+        callbacks.append(HFZero3Init())
+    loggers = _instantiate_dict(cfg.get("logger"), "logger")
+    callbacks = _needs_no_logger(callbacks, loggers) + [state.callback()]
+    trainer = state.trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False, _convert_="all")
+    if loggers:
+        from lightning_modules.common.dashboard import run_config
+
+        for lg in loggers:
+            lg.log_hyperparams(run_config(cfg))  # resolved, without secrets
+
+    task = cfg.task
+    ckpt_path = cfg.get("ckpt_path")
+    if ckpt_path == "last" and not any(out_dir.glob("checkpoints/last*.ckpt")):
+        print(f"ckpt_path=last: no checkpoint in {out_dir / 'checkpoints'} yet, starting from scratch")
+        ckpt_path = None
+    collect = state.collect
+    if task in ("fit", "fit_test"):
+        trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        collect()
+    if task == "validate":
+        trainer.validate(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        collect()
+    if task in ("test", "fit_test"):
+        if task == "fit_test":
+            best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
+            trainer.test(module, datamodule=datamodule, ckpt_path=best or None)
+        else:
+            trainer.test(module, datamodule=datamodule, ckpt_path=ckpt_path)
+        collect()
+
+    state.write(out_dir / "metrics.json", "ok")
+    if trainer.global_rank == 0:
+        _print_table(cfg, state.final, out_dir)
+    value = state.seen.get(cfg.get("optimized_metric") or "", None)
+    return value if value is None or math.isfinite(value) else float("nan")
+
+
+def _print_table(cfg, metrics: dict, out_dir: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        name = HydraConfig.get().runtime.choices.get("experiment", "?")
+    except Exception:
+        name = "?"
+    table = Table(title=f"{name} — results ({out_dir})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k in sorted(metrics):
+        table.add_row(k, f"{metrics[k]:.4f}")
+    Console().print(table)
