@@ -30,6 +30,7 @@ RENAMED = {
     "model.press.alpha_safeguard": "model.press_wrapper.alpha_safeguard (with model/press_wrapper=adakv)",
     "model.press.block_size": "model.press_wrapper.block_size (with model/press_wrapper=block)",
     "model.press.snap_window": "model.press.window_size (with model/press=snapkv)",
+    "model.method": "model/quantizer=<rtn|gptq|huffman_gptq|watersic>",
 }
 
 

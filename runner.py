@@ -61,6 +61,7 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"task={cfg.get('task')!r}: choose one of {', '.join(TASKS)}")
     if cfg.get("optimized_mode") not in MODES:
         raise ConfigError(f"optimized_mode={cfg.get('optimized_mode')!r}: choose min (lower is better) or max")
+    _check_in_memory_tokens(cfg)
     tr = cfg.trainer
     if str(tr.get("accelerator")) in ("gpu", "cuda"):
         import torch
@@ -68,9 +69,7 @@ def check_config(cfg: DictConfig) -> None:
         if not torch.cuda.is_available():
             raise ConfigError("trainer.accelerator=gpu but this machine has no CUDA GPU: use trainer=cpu")
     target = _strategy_target(cfg)
-    devices = tr.get("devices", 1)
-    n_dev = devices if isinstance(devices, int) else (len(devices) if not isinstance(devices, str) else -1)
-    world = n_dev * int(tr.get("num_nodes", 1) or 1) if n_dev > 0 else -1
+    world = _world_size(tr)
     if "ModelParallelStrategy" in target and world == 1:
         raise ConfigError("trainer=fsdp with trainer.devices=1 shards nothing: use trainer=cpu/gpu, or set trainer.devices>=2")
     strategy = tr.get("strategy")
@@ -88,6 +87,50 @@ def check_config(cfg: DictConfig) -> None:
     if ckpt and ckpt not in ("last", "best") and not Path(ckpt).exists():
         raise ConfigError(f"ckpt_path={ckpt!r} does not exist: pass an existing .ckpt, or ckpt_path=last to resume this run dir")
     _check_numbers(cfg, "")
+
+
+def _world_size(tr: DictConfig) -> int:
+    """trainer.devices x trainer.num_nodes, or -1 where Lightning decides it (devices=auto / -1)."""
+    devices = tr.get("devices", 1)
+    n_dev = devices if isinstance(devices, int) else (len(devices) if not isinstance(devices, str) else -1)
+    return n_dev * int(tr.get("num_nodes", 1) or 1) if n_dev > 0 else -1
+
+
+def _check_in_memory_tokens(cfg: DictConfig) -> None:
+    """Pretraining-scale runs stream memory-mapped shards: in-memory text data (``data=corpus``, ``long_docs``)
+    tokenizes every document into each rank's memory, so a run whose training tokens (max_steps x global batch x
+    seq_len, a proxy for the corpus it needs) pass ``max_in_memory_tokens`` is refused before anything is built."""
+    data, limit, tr = cfg.get("data"), cfg.get("max_in_memory_tokens"), cfg.trainer
+    if limit is None or "fit" not in str(cfg.get("task")) or not isinstance(data, DictConfig) or "_target_" not in data:
+        return
+    steps, seq_len, batch_size = tr.get("max_steps"), data.get("seq_len"), data.get("batch_size")
+    accumulate = tr.get("accumulate_grad_batches") or 1
+    if not all(isinstance(v, int) for v in (steps, seq_len, batch_size, accumulate)) or steps <= 0:
+        return  # epoch-bounded (the corpus decides, which the config cannot know), or a word _check_numbers names
+    try:
+        limit = float(limit)
+    except ValueError:
+        raise ConfigError(f"max_in_memory_tokens={limit!r}: a number of tokens (e.g. 1e9), or null for no limit") from None
+    from hydra.utils import get_object
+
+    from datamodules.shards import ShardDataModule
+    from datamodules.text import TextDataModule
+
+    try:
+        cls = get_object(data._target_)
+    except Exception:  # noqa: BLE001 - a target that does not import fails at instantiation with its own message
+        return
+    if not (isinstance(cls, type) and issubclass(cls, TextDataModule)) or issubclass(cls, ShardDataModule):
+        return
+    # an unknown world size (devices=auto) counts as one rank: a lower bound
+    batch = batch_size * max(_world_size(tr), 1) * accumulate
+    tokens = steps * batch * seq_len
+    if tokens > limit:
+        raise ConfigError(
+            f"{data._target_.rsplit('.', 1)[-1]} holds all documents in memory on every rank, but this run trains on "
+            f"{tokens:.3g} tokens (max_steps {steps} x global batch {batch} x seq_len {seq_len}) > "
+            f"max_in_memory_tokens={limit:.3g}: use data=shards (build once: python -m datamodules.common.shards "
+            f"--files '<glob>' --tokenizer <dir> --out <dir>; data.shard_dir=<dir>) or raise max_in_memory_tokens")
 
 
 def _numeric_params(target: str) -> dict:

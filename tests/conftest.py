@@ -13,7 +13,8 @@ _wandb_tmp = tempfile.mkdtemp(prefix="paperlab-wandb-")
 for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
     os.environ.setdefault(var, _wandb_tmp)
 # DeepSpeed compiles its communication op once; keep it in the user cache, not the repo.
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/paperlab/torch_extensions"))
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(
+    os.environ.get("PAPERLAB_CACHE", os.path.expanduser("~/.cache/paperlab")), "torch_extensions"))
 
 import pytest  # noqa: E402
 

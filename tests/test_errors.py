@@ -75,6 +75,34 @@ def test_deepspeed_on_cpu_allowed_only_when_asked(tmp_path):
     check_config(cfg)  # the test-only escape hatch passes the check
 
 
+def test_pretraining_scale_in_memory_data_refused_before_anything_is_built(tmp_path):
+    from runner import ConfigError, run
+
+    # lm_llama7b's recipe with in-memory data, on one CPU rank: 100000 steps x (4 x 1 x 4 accumulation) x 4096 tokens
+    cfg = compose("lm_llama7b", ["data=corpus", "trainer=cpu", "callbacks.progress_bar=null"], output_dir=tmp_path)
+    with pytest.raises(ConfigError) as info:
+        run(cfg)
+    msg = _one_line(info.value)
+    assert f"{100000 * 16 * 4096:.3g} tokens" in msg and "max_in_memory_tokens=1e+09" in msg
+    assert "data=shards" in msg and "python -m datamodules.common.shards --files" in msg
+    _nothing_built(tmp_path)
+
+
+def test_in_memory_token_limit_counts_the_global_batch_and_can_be_raised():
+    from runner import ConfigError, check_config
+
+    check_config(compose("lm_llama7b", ["trainer=cpu"]))  # as shipped it streams shards: no limit
+    check_config(compose("lm_tiny"))
+    # lm_tiny is 8 x 256 tokens a step: 1e9 tokens are 488281.25 steps on one rank, 244140.6 on two
+    check_config(compose("lm_tiny", ["trainer.max_steps=488281"]))
+    for over in (["trainer.max_steps=488282"], ["trainer.max_steps=244141", "trainer.accumulate_grad_batches=2"],
+                 ["trainer.max_steps=244141", "trainer.num_nodes=2"]):
+        with pytest.raises(ConfigError, match="data=shards"):
+            check_config(compose("lm_tiny", over))
+    check_config(compose("lm_tiny", ["trainer.max_steps=488282", "max_in_memory_tokens=2e9"]))
+    check_config(compose("lm_tiny", ["trainer.max_steps=488282", "task=test"]))  # nothing trains
+
+
 def test_malformed_data_record_names_file_and_line(tmp_path):
     data = tmp_path / "data.jsonl"
     data.write_text('{"text": "first document"}\n{"text": "second"}\n{"text": "third, cut off\n{"text": "fourth"}\n')

@@ -78,13 +78,15 @@ def test_hici_clip_survives_deepspeed_zero(stage, tmp_path):
         assert seen["p.grad_is_full"] is False  # what makes the DeepSpeed accessors necessary
 
 
-def test_long_context_eval_on_every_rank_under_two_process_zero3(tmp_path, tiny_lm_dir):
+def test_long_context_eval_and_export_on_every_rank_under_two_process_zero3(tmp_path, tiny_lm_dir):
     """ZeRO-3 with 2 CPU processes: the long-context evaluation runs on every rank, and its figures equal a
-    single-process recomputation from the converted checkpoint's `full` model (see tests/test_hici_fsdp.py)."""
+    single-process recomputation from the exported `full` model, which is gathered from the partitions before it is
+    written and equals the one built from the converted checkpoint (see tests/test_hici_fsdp.py)."""
     import json
 
     from hydra.utils import instantiate
     from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+    from transformers import AutoModelForCausalLM
 
     from tests.helpers import compose
     from tests.test_hici import SMOKE, full_model_figures
@@ -96,13 +98,15 @@ def test_long_context_eval_on_every_rank_under_two_process_zero3(tmp_path, tiny_
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["status"] == "ok" and metrics["global_step"] == 4
-    assert not (run_dir / "hf_full").exists()  # not exported under ZeRO-3 (a warning says how)
     convert_zero_checkpoint_to_fp32_state_dict(str(run_dir / "checkpoints" / "last.ckpt"), str(tmp_path / "fp32.ckpt"))
     cfg = compose("hici_tiny", list(SMOKE))  # the run's model and data (the strategy does not enter them)
     module = instantiate(cfg.model, _convert_="all")
     module.configure_model()
     module.load_state_dict(torch.load(tmp_path / "fp32.ckpt", map_location="cpu", weights_only=False)["state_dict"])
-    module.full_model().save_pretrained(run_dir / "hf_full")
-    instantiate(cfg.data, _convert_="all").tokenizer.save_pretrained(run_dir / "hf_full")
+    want_weights = module.full_model().state_dict()
+    exported = AutoModelForCausalLM.from_pretrained(run_dir / "hf_full").state_dict()
+    assert exported.keys() == want_weights.keys()
+    for k in want_weights:
+        torch.testing.assert_close(exported[k], want_weights[k], msg=k)
     want = full_model_figures(run_dir, SMOKE, "hici_tiny")
     assert {k: metrics["results"][k] for k in want} == pytest.approx(want, rel=1e-4)

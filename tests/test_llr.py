@@ -500,7 +500,7 @@ def test_the_release_freeze_throws_away_the_last_alpha(seed):
     from datamodules.text import TextDataModule
 
     args = SimpleNamespace(hidden=64, layers=2, heads=4, lr=1e-3, muon_lr=0.02, steps=3200, seq_len=128, batch=8)
-    train_tokens, _ = TextDataModule(tokenizer=corpus_tokenizer(2048), seq_len=128, batch_size=8).split_tokens()
+    train_tokens = TextDataModule(tokenizer=corpus_tokenizer(2048), seq_len=128, batch_size=8).split_tokens()["train"]
     module, opt, sched = build(args, "llr", seed)
     rates = RateSchedule(every=100, ramp_steps=50, ratio=0.2)
     weights = {g["llr_module"]: (module.get_submodule(g["llr_module"]).weight, g["llr_edge"])

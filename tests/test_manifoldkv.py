@@ -359,6 +359,7 @@ def test_paper_scale_experiments_compose_with_the_papers_settings(name):
     cfg = compose(name)
     assert cfg.backbone.pretrained == PAPER_SCALE[name] and cfg.task == "test"
     assert list(cfg.data.lengths) == [4096, 8192, 16384] and cfg.data.chat_template
+    assert cfg.data.source == "files" and cfg.data.tasks is None  # real RULER, all 13 tasks (the headline average)
     # ManifoldKV + Ada-KV at 20%, as in the paper's headline numbers
     assert job_press(cfg) == AdaKV(press=ManifoldKV(0.2), alpha_safeguard=0.2)
     assert cfg.trainer.precision == "bf16-true" and cfg.optimized_mode == "max"

@@ -185,6 +185,18 @@ def test_default_quantizers_and_the_removed_method_key(tmp_path):
     assert isinstance(cause, ValueError) and str(cause) == "model.method=rtn is gone: choose the quantizer with model/quantizer=rtn"
 
 
+def test_old_method_key_fails_on_the_command_line_with_one_line():
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT
+
+    out = subprocess.run([sys.executable, "run.py", "experiment=gptq_tiny", "model.method=rtn"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "model/quantizer=" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
 def test_eval_sets_join_wikitext_the_standard_way(tmp_path, tiny_tokenizer):
     """join="\n\n": every line (empty ones included) as one text, tokenized once; join=null: non-empty documents
     each followed by EOS; max_documents cuts the split; a set without files fails naming the key."""

@@ -21,11 +21,16 @@ The recipe (spec ../shared/papers/hici.md, from the released ``fine-tune_hici.py
 - ``eval_mode``: ``full`` (how the paper measures perplexity: HiCI modules dropped, LoRA merged, plain attention;
   ``full_model()`` returns that plain transformers model) | ``hici`` (modules kept for prefill).
 - ``evaluation``: the test loop's long-context suite: sliding-window perplexity at ``ppl_lengths`` (stride
-  ``ppl_stride``) on the validation stream and passkey retrieval at ``passkey_lengths`` (``passkey_samples`` each),
-  scored from greedy generated tokens. Every rank evaluates its share of the windows and samples (the same number
-  of forward passes on each, as sharded weights need) and the counts are summed over ranks.
-- ``export_dir``: where fit writes the ``full`` model (gathered from the shards under FSDP2; under ZeRO-3, convert
-  the checkpoint first and call ``full_model()``).
+  ``ppl_stride``) on the datamodule's evaluation stream (``data.test_files``: PG-19 test / Proof-pile, else the
+  held-out split), ``ppl_protocol`` ``once`` (every token scored once) or ``release`` (the release's
+  eval_distributed_hici.py: a window every ``ppl_stride`` tokens, each fully scored); passkey retrieval at
+  ``passkey_lengths`` plus every ``passkey_interval`` tokens up to ``passkey_max_length`` (``passkey_samples``
+  each), scored from greedy generated tokens; LongBench v1 (``longbench_*``, ``lightning_modules.hici.longbench``)
+  and LongEval topic retrieval (``topics_*``, ``lightning_modules.hici.topics``) from local jsonl. Every rank
+  evaluates its share of the windows and samples (the same number of forward passes on each, as sharded weights
+  need) and the counts are summed over ranks.
+- ``init_from``: a single-file checkpoint of this module to start from (the SFT stage starts from the HiCI run's).
+- ``export_dir``: where fit writes the ``full`` model (gathered from the shards under FSDP2 and ZeRO-3).
 - Padding: the attention mask is honoured in the slots, the statistics and the broadcast (``hici_attention``), and
   the loss ignores padded labels.
 
@@ -40,6 +45,7 @@ import contextlib
 import copy
 import logging
 import math
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -63,8 +69,12 @@ HICI_DEFAULTS = dict(num_segments=4, local_slots=8, global_slots=4, heads=8, bot
 S2_DEFAULTS = dict(group_ratio=0.25, shift="no_wrap")
 LORA_DEFAULTS = dict(enabled=True, r=8, alpha=16, dropout=0.0, targets=["q_proj", "k_proj", "v_proj", "o_proj"])
 ROPE_DEFAULTS = dict(type="linear", target_length=None, original_length=None)
-EVAL_DEFAULTS = dict(ppl_lengths=[], ppl_stride=None, ppl_max_tokens=None, passkey_lengths=[], passkey_samples=0,
-                     passkey_new_tokens=8)
+EVAL_DEFAULTS = dict(ppl_lengths=[], ppl_stride=None, ppl_max_tokens=None, ppl_protocol="once", passkey_lengths=[],
+                     passkey_interval=None, passkey_max_length=None, passkey_samples=0, passkey_new_tokens=8,
+                     chat_template="[INST]{prompt}[/INST]", longbench_dir=None, longbench_config_dir=None,
+                     longbench_tasks=[], longbench_max_length=15500, longbench_max_samples=None, topics_files=None,
+                     topics_max_samples=None, topics_new_tokens=50)
+PPL_PROTOCOLS = ("once", "release")
 
 
 def _merge(defaults: dict, given: Mapping | None, what: str) -> dict:
@@ -128,7 +138,8 @@ class HiCILongContextLM(CausalLMModule):
                  attention: str = "hici", hici: Mapping | None = None, s2: Mapping | None = None,
                  lora: Mapping | None = None, trainable: list[str] | tuple = ("embed", "norm"),
                  hici_lr: float = 2e-4, hici_grad_clip: float | None = 0.3, rope: Mapping | None = None,
-                 eval_mode: str = "full", evaluation: Mapping | None = None, export_dir: str | None = None):
+                 eval_mode: str = "full", evaluation: Mapping | None = None, export_dir: str | None = None,
+                 init_from: str | None = None):
         if attention not in ATTENTIONS:
             raise ValueError(f"model.attention={attention!r}: choose one of {', '.join(ATTENTIONS)}")
         if eval_mode not in ("full", "hici"):
@@ -140,6 +151,19 @@ class HiCILongContextLM(CausalLMModule):
         self.lora_cfg = _merge(LORA_DEFAULTS, lora, "lora")
         self.rope_cfg = _merge(ROPE_DEFAULTS, rope, "rope")
         self.eval_cfg = _merge(EVAL_DEFAULTS, evaluation, "evaluation")
+        if self.eval_cfg["ppl_protocol"] not in PPL_PROTOCOLS:
+            raise ValueError(f"model.evaluation.ppl_protocol={self.eval_cfg['ppl_protocol']!r}: choose once (every "
+                             "token scored once) or release (HiCI/LongLoRA's eval: every window fully scored)")
+        from lightning_modules.hici import longbench
+
+        longbench.check_tasks(self.eval_cfg["longbench_tasks"])
+        if self.eval_cfg["longbench_tasks"] and not self.eval_cfg["longbench_dir"]:
+            raise ValueError("model.evaluation.longbench_tasks needs model.evaluation.longbench_dir=<LongBench data dir>")
+        if init_from is not None and not str(init_from).endswith((".ckpt", ".pt", ".bin")):
+            raise ValueError(f"model.init_from={init_from!r}: give a single-file checkpoint (.ckpt/.pt/.bin); convert a "
+                             "DeepSpeed checkpoint dir first with lightning.pytorch.utilities.deepspeed."
+                             "convert_zero_checkpoint_to_fp32_state_dict")
+        self.init_from = init_from
         if self.rope_cfg["type"] != "linear":
             raise ValueError(f"model.rope.type={self.rope_cfg['type']!r}: only linear position interpolation (the "
                              "recipe's default) is implemented")
@@ -159,6 +183,9 @@ class HiCILongContextLM(CausalLMModule):
         return None
 
     def build_model(self):
+        if self.init_from and not Path(self.init_from).is_file():  # before loading billions of weights
+            raise FileNotFoundError(f"model.init_from={self.init_from} does not exist: train the HiCI stage first (and "
+                                    "convert its DeepSpeed checkpoint to one file)")
         model = build_backbone(self.backbone_spec)
         original = self.rope_cfg["original_length"] or model.config.max_position_embeddings
         factor = rope_factor(self.rope_cfg["target_length"], original)
@@ -172,6 +199,8 @@ class HiCILongContextLM(CausalLMModule):
         if self.lora_cfg["enabled"]:
             model = apply_lora(model, self.lora_cfg["r"], self.lora_cfg["alpha"], self.lora_cfg["dropout"],
                                self.lora_cfg["targets"], trainable=[*self.trainable, *HICI_KEYS])
+        if self.init_from:
+            load_weights(model, self.init_from)
         return model
 
     def plain_model(self):
@@ -251,20 +280,22 @@ class HiCILongContextLM(CausalLMModule):
         was_training = self.model.training
         self.model.eval()
         with self._eval_context():
-            tokens = dm.eval_tokens()
-            if cfg["ppl_max_tokens"]:
+            tokens = dm.eval_tokens() if cfg["ppl_lengths"] else None
+            if tokens is not None and cfg["ppl_max_tokens"]:
                 tokens = tokens[: cfg["ppl_max_tokens"]]
             for length in cfg["ppl_lengths"]:
                 if len(tokens) < 2 * length:
                     out[f"ppl@{length}"] = float("nan")
                     continue
-                stride = cfg["ppl_stride"] or length // 4
-                r = perplexity(self.model, tokens, seq_len=length, stride=min(stride, length), batch_size=1,
-                               shard=(rank, world))
-                nll, n = total(r["nll"], r["tokens"])
+                stride = min(cfg["ppl_stride"] or length // 4, length)
+                if cfg["ppl_protocol"] == "release":
+                    nll, n = total(*release_perplexity(self.model, tokens, length, stride, (rank, world)))
+                else:
+                    r = perplexity(self.model, tokens, seq_len=length, stride=stride, batch_size=1, shard=(rank, world))
+                    nll, n = total(r["nll"], r["tokens"])
                 out[f"ppl@{length}"] = math.exp(nll / n)
             n = cfg["passkey_samples"]
-            for length in cfg["passkey_lengths"] if n else []:
+            for length in passkey_grid(cfg) if n else []:
                 hits = 0.0
                 for i in range(rank, n + (-n % world), world):  # the same number of generate calls on every rank
                     s = passkey_sample(dm.tokenizer, length, seed=10_000 + min(i, n - 1))
@@ -272,35 +303,75 @@ class HiCILongContextLM(CausalLMModule):
                                            synced_gpus=world > 1)[0]
                     hits += string_match_part(pred, [s["answer"]]) if i < n else 0.0
                 out[f"passkey@{length}"] = total(hits)[0] / n
+            out.update(self.generation_benchmarks(dm.tokenizer, rank, world, total))
         self.model.train(was_training)
+        return out
+
+    def generation_benchmarks(self, tokenizer, rank: int, world: int, total) -> dict:
+        """LongBench (English tasks) and LongEval topic retrieval from local files, greedy decoding; each rank
+        generates for its share of the samples (the same number of calls on every rank)."""
+        from lightning_modules.common.evaluation import greedy_generate
+        from lightning_modules.hici import longbench, topics
+
+        cfg, out = self.eval_cfg, {}
+
+        def mean_score(prompts, scorer, new_tokens) -> float:
+            n, got = len(prompts), 0.0
+            for i in range(rank, n + (-n % world), world):
+                pred = greedy_generate(self.model, tokenizer, [prompts[min(i, n - 1)]], new_tokens, synced_gpus=world > 1)[0]
+                got += scorer(i, pred) if i < n else 0.0
+            return total(got)[0] / n
+
+        for task in cfg["longbench_tasks"]:
+            recs, template, budget = longbench.load(cfg["longbench_dir"], cfg["longbench_config_dir"] or
+                                                    f"{cfg['longbench_dir']}/../config", task, cfg["longbench_max_samples"])
+            prompts = [longbench.build_prompt(tokenizer, task, template, r, cfg["longbench_max_length"],
+                                              cfg["chat_template"]) for r in recs]
+            out[f"longbench/{task}"] = 100 * mean_score(
+                prompts, lambda i, p: longbench.score(task, p, recs[i]["answers"], recs[i].get("all_classes")), budget)
+        if cfg["longbench_tasks"]:
+            out["longbench/avg"] = sum(out[f"longbench/{t}"] for t in cfg["longbench_tasks"]) / len(cfg["longbench_tasks"])
+        if cfg["topics_files"]:
+            from datamodules.common.shards import _expand
+
+            for path in _expand(cfg["topics_files"]):
+                recs = topics.load(path, cfg["topics_max_samples"])
+                prompts = [cfg["chat_template"].format(prompt=r["prompt"]) for r in recs]
+                out[f"topics@{topics.num_topics(path)}"] = mean_score(
+                    prompts, lambda i, p: topics.correct(p, recs[i]["topics"]), cfg["topics_new_tokens"])
         return out
 
     def on_fit_end(self):
         if not self.export_dir:
             return
-        if getattr(self.trainer.strategy, "zero_stage_3", False):
-            # rebuilding an unsharded copy on rank 0 alone would re-enter ZeRO-3's collective construction
-            # (transformers sees the run's DeepSpeed config): convert the checkpoint, then call full_model()
-            if self.trainer.global_rank == 0:
-                log.warning("model.export_dir: not written under ZeRO-3; convert the checkpoint to fp32 "
-                            "(lightning.pytorch.utilities.deepspeed) and export with full_model()")
-            return
-        state = self._gathered_state_dict()  # a collective under FSDP2: every rank takes part
+        state = self._gathered_state_dict()  # a collective under FSDP2 / ZeRO-3: every rank takes part
         if self.trainer.global_rank == 0:
-            self.full_model(state).save_pretrained(self.export_dir)
+            with transformers_zero3_off():  # the unsharded copy is built on rank 0 alone, not partitioned
+                self.full_model(state).save_pretrained(self.export_dir)
             tok = getattr(getattr(self.trainer, "datamodule", None), "tokenizer", None)
             if tok is not None:
                 tok.save_pretrained(self.export_dir)
 
     def _gathered_state_dict(self) -> dict | None:
-        """The full weights on rank 0 when FSDP2 shards them (DTensors); None otherwise."""
+        """The full weights on rank 0 (None elsewhere) when FSDP2 (DTensors) or ZeRO-3 (partitioned parameters,
+        gathered one at a time so no rank holds more than one whole tensor on the device) shards them; None when
+        nothing is sharded."""
         from torch.distributed.tensor import DTensor
 
         if any(isinstance(p, DTensor) for p in self.model.parameters()):
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
             return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return None
+        if not is_partitioned(self.model):
+            return None
+        import deepspeed
+
+        rank0, out = self.trainer.global_rank == 0, {}
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            with deepspeed.zero.GatheredParameters([t]) if hasattr(t, "ds_id") else contextlib.nullcontext():
+                if rank0:
+                    out[name] = t.detach().cpu().clone()
+        return out if rank0 else None
 
     # --- optimisation ----------------------------------------------------------------------------
     def _named_trainable(self):
@@ -329,6 +400,58 @@ class HiCILongContextLM(CausalLMModule):
             counts["params/hici"] = sum(p.numel() for n, p in self.model.named_parameters() if is_hici_param(n))
             counts["params/lora"] = sum(p.numel() for n, p in self.model.named_parameters() if "lora_" in n)
         return counts
+
+
+@contextlib.contextmanager
+def transformers_zero3_off():
+    """transformers builds models unpartitioned inside (the run's HfDeepSpeedConfig is restored after)."""
+    from transformers.integrations import deepspeed as hf_ds
+
+    ref = hf_ds._hf_deepspeed_config_weak_ref
+    config = ref() if ref is not None else None
+    hf_ds.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        if config is not None:
+            hf_ds.set_hf_deepspeed_config(config)
+
+
+def passkey_grid(cfg: Mapping) -> list[int]:
+    """``passkey_lengths`` plus every ``passkey_interval`` tokens up to ``passkey_max_length`` (the release: 1,024-token
+    steps up to ~57K), sorted."""
+    grid = set(cfg["passkey_lengths"])
+    if cfg["passkey_interval"] and cfg["passkey_max_length"]:
+        grid |= set(range(cfg["passkey_interval"], cfg["passkey_max_length"] + 1, cfg["passkey_interval"]))
+    return sorted(grid)
+
+
+@torch.no_grad()
+def release_perplexity(model, tokens: torch.Tensor, length: int, stride: int, shard=(0, 1)) -> tuple[float, int]:
+    """HiCI's (LongLoRA's) PG-19 evaluation: windows of ``length`` tokens starting every ``stride`` tokens while a
+    whole window fits (``range(0, n - length, stride)``), every next-token target of each window scored (tokens in
+    overlaps count once per window). Returns this rank's (summed NLL, targets); each rank runs the same number of
+    windows (a dummy one scored 0 where it has run out), as sharded weights need."""
+    from lightning_modules.common.evaluation import perplexity
+
+    starts = list(range(0, len(tokens) - length, stride))
+    rank, world = shard
+    starts += [None] * (-len(starts) % world)
+    nll, n = 0.0, 0
+    for s in starts[rank::world]:
+        r = perplexity(model, tokens[(s or 0): (s or 0) + length], seq_len=length, batch_size=1)
+        if s is not None:
+            nll, n = nll + r["nll"], n + r["tokens"]
+    return nll, n
+
+
+def load_weights(model, path: str) -> None:
+    """Start from a trained run's weights (the SFT stage from the HiCI checkpoint): a Lightning .ckpt of this module
+    (``state_dict`` keys under ``model.``) or a plain state dict of the same model; every key must match."""
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = state.get("state_dict", state)
+    state = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state.items()}
+    model.load_state_dict(state, strict=True)
 
 
 @torch.no_grad()
