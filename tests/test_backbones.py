@@ -31,6 +31,7 @@ PUBLISHED = {
     "pythia_2p8b": 2_775_208_960,          # EleutherAI/pythia-2.8b
     "llama31_8b": 8_030_261_248,           # meta-llama/Llama-3.1-8B(-Instruct)
     "llama3_8b": 8_030_261_248,            # meta-llama/Meta-Llama-3-8B
+    "llama3_70b": 70_553_706_496,          # meta-llama/Meta-Llama-3-70B
     "llama32_1b": 1_235_814_400,           # meta-llama/Llama-3.2-1B (tied LM head)
     "qwen25_7b_instruct": 7_615_616_512,   # Qwen/Qwen2.5-7B-Instruct
 }

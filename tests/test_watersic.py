@@ -167,3 +167,67 @@ def test_qronos_target_reaches_the_least_squares_map_at_high_rate():
     ls = w @ stats.cross @ torch.linalg.inv(stats.sigma)
     assert torch.allclose(res.weight, ls, atol=1e-3 * float(ls.abs().max()))
     assert stats.output_error(w, res.weight) < 0.05 * stats.output_error(w, w)
+
+
+def test_rate_targeted_huffman_gptq_lands_on_the_entropy_rate_and_keeps_the_nominal_grid():
+    """The fair baseline at the same entropy rate: reported rate within tol of any target; at an integer r the
+    continuous grid is the nominal 2^{r+1}−1-level grid (identical codes)."""
+    w = torch.randn(256, 64, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+    stats = LayerStats(_spread_sigma(64, seed=13))
+    for target in (1.7, 2.5, 3.0):
+        res = HuffmanGPTQ(target_rate=True).quantize(w, stats, target)
+        assert abs(res.rate.bits - target) < 0.005, (target, res.rate.bits, res.info["secant"])
+    from lightning_modules.common.quantize.gptq import gptq_quantize
+    from lightning_modules.common.quantize.rtn import levels_for_rate
+
+    absmax = w.abs().amax(1, keepdim=True)
+    _, nominal = gptq_quantize(w, stats.sigma, levels_for_rate(3, extra_bit=True), 0.01)
+    _, cont = gptq_quantize(w, stats.sigma, 2 * 7 + 1, 0.01, scale=absmax / (2.0 ** 3 - 1))
+    assert torch.equal(nominal, cont)
+    with pytest.raises(ValueError, match="huffman_gptq"):
+        GPTQ(target_rate=True)
+
+
+def test_residual_compensation_reaches_the_least_squares_solution_at_high_rate():
+    """Planted truth: inputs x̂ = x + noise, residual error ΔR = M·x̂ + noise. At a high rate WaterSIC's Ŵ tends to
+    the minimiser of E‖Wx + ΔR − Ŵx̂‖², (WΣ_XX̂ + Σ_ΔR,X̂)Σ_X̂⁻¹, which is far from the uncompensated one."""
+    g = torch.Generator().manual_seed(14)
+    a, n, t = 48, 16, 20000
+    x = torch.randn(t, n, generator=g, dtype=torch.float64) @ torch.linalg.cholesky(_spread_sigma(n, seed=15)).T
+    xh = x + 0.1 * torch.randn(t, n, generator=g, dtype=torch.float64)
+    w = torch.randn(a, n, generator=g, dtype=torch.float64)
+    m = 0.3 * torch.randn(a, n, generator=g, dtype=torch.float64)
+    dr = xh @ m.T + 0.05 * torch.randn(t, a, generator=g, dtype=torch.float64)
+    base = LayerStats(xh.T @ xh / t, x.T @ xh / t, x.T @ x / t)
+    comp = LayerStats(base.sigma, base.cross, base.sigma_x, residual_cross=dr.T @ xh / t)
+    best = (w @ comp.cross + comp.residual_cross) @ torch.linalg.inv(comp.sigma)
+    q = WaterSIC(target_rate=False, percdamp=0.0)
+    hat = q.quantize(w, comp, 12.0).weight
+    assert float((hat - best).norm() / best.norm()) < 1e-3
+    plain = q.quantize(w, base, 12.0).weight
+    assert float((plain - best).norm() / best.norm()) > 0.1
+    obj = lambda wh: float(((x @ w.T + dr - xh @ wh.T) ** 2).mean())
+    assert obj(hat) < 0.5 * obj(plain)
+
+
+def test_zero_out_rows_quantizes_the_rest_alone_and_charges_the_layer():
+    from lightning_modules.common.quantize.driver import quantize_rows
+
+    w = torch.randn(64, 32, generator=torch.Generator().manual_seed(16), dtype=torch.float64)
+    stats = LayerStats(_spread_sigma(32, seed=17))
+    q = WaterSIC(target_rate=False)
+    hat, rep = quantize_rows(q, w, stats, 3.0, False, [3, 40])
+    keep = [i for i in range(64) if i not in (3, 40)]
+    alone = q.quantize(w[keep], stats, 3.0)
+    assert torch.equal(hat[[3, 40]], torch.zeros(2, 32, dtype=torch.float64)) and torch.equal(hat[keep], alone.weight)
+    assert rep["bits"] == pytest.approx(alone.rate.bits * 62 / 64, rel=1e-12)
+    with pytest.raises(ValueError, match="zero_out_rows"):
+        quantize_rows(q, w, stats, 3.0, False, [64])
+
+
+def test_golden_section_finds_the_minimum():
+    from lightning_modules.common.quantize.driver import golden_section
+
+    calls = []
+    arg, val = golden_section(lambda v: calls.append(v) or (v - 0.3) ** 2 + 1, 0.0, 1.0, 10)
+    assert abs(arg - 0.3) < 0.618 ** 10 and val == pytest.approx(1 + (arg - 0.3) ** 2) and len(calls) == 12

@@ -12,17 +12,52 @@ shared with the baselines it is compared with, in ``lightning_modules/common/qua
 Switches (conf/model/watersic.yaml, conf/model/quantizer/watersic.yaml): ``mode`` plain | sequential (paper's best
 runs use sequential, ``--qronos``); ``rate_control`` (on, ``--rate_control``); ``quantizer.accounting`` pooled |
 column; ``quantizer.rescalers``; ``quantizer.target_rate`` (``--zsic_binary_search``); ``quantizer.percdamp`` (1e-4).
-Not implemented (spec §4.3 extras): residual compensation, attention-weighted QKV statistics, the joint ε search,
-``--zero_out_rows`` and WaterSIC-FT.
+Pipeline extras (spec §4.3, ``driver.py``; sequential mode; off by default as in the release's CLI, on in the
+paper-scale experiments' ``base/watersic_paper.yaml`` as in the paper's best runs): ``residual_compensation``
+(``--residual_compensation``), ``attn_weighted_qkv`` = ε (``--attn_weighted_qkv``, paper 0.01), ``eps_search``
+(``--attn_weighted_adapt_eps_joint`` / ``--qronos_adapt``) and ``zero_out_rows`` (``--zero_out_rows``).
+WaterSIC-FT (``finetune``: {epochs, lr, lr_min, batch_size, max_sequences}; null = off): after quantization, train only every
+layer's rescalers t and g (codes frozen) by KL distillation to the full-precision copy on the whole training split
+(``finetune.py``; paper: 10 epochs, lr 5e-4 cosine to 5e-6, batch 8, seq 2048; 70B: lr 5e-5, 4 epochs).
 """
 from __future__ import annotations
 
+from typing import Any, Mapping
+
+import torch
+
 from lightning_modules.common.quantize.module import QuantizeLMModule
+from lightning_modules.watersic.finetune import finetune_rescalers
 from lightning_modules.watersic.quantizer import WaterSIC
 
 
 class WaterSICModule(QuantizeLMModule):
-    """``QuantizeLMModule`` whose default quantizer is WaterSIC (``model/quantizer=…`` runs a baseline instead)."""
+    """``QuantizeLMModule`` whose default quantizer is WaterSIC (``model/quantizer=…`` runs a baseline instead), with
+    WaterSIC-FT as the ``finetune`` switch."""
+
+    def __init__(self, *args, finetune: Mapping[str, Any] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.finetune = dict(finetune) if finetune else None
+        if self.finetune is not None:
+            unknown = set(self.finetune) - {"epochs", "lr", "lr_min", "batch_size", "seed", "max_sequences"}
+            if unknown:
+                raise ValueError(f"model.finetune has unknown keys {sorted(unknown)}: use epochs, lr, lr_min, batch_size, "
+                                 "max_sequences")
+            if not isinstance(self.quantizer, WaterSIC):
+                raise ValueError("model.finetune (WaterSIC-FT) trains WaterSIC's rescalers: use model/quantizer=watersic")
+            if not self.kl and self.mode != "sequential":
+                raise ValueError("model.finetune distils to the full-precision copy: set model.kl=true")
+
+    def quantize(self, batches: list[dict]) -> dict:
+        report = super().quantize(batches)
+        if self.finetune is not None:
+            ft = dict(self.finetune)
+            data = self.trainer.datamodule.train_set
+            n = min(len(data), ft.pop("max_sequences", None) or len(data))  # null: the whole split (the paper)
+            seqs = torch.stack([data[i]["input_ids"] for i in range(n)])
+            hist = finetune_rescalers(self.model, self.reference, report["factors"], seqs, **ft)
+            self.results["finetune"] = {"kl_nats_per_epoch": hist, **self.finetune}
+        return report
 
     @staticmethod
     def default_quantizer() -> WaterSIC:

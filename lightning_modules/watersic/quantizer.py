@@ -4,7 +4,9 @@ successive interference cancellation, entropy-coded. Follows the authors' ``zsic
 One layer (W: a×n, rows = out-features):
 1. Dead inputs (Σ_jj ≤ 0 or < 1e-3·median diag Σ) are removed, and reinserted as zero columns.
 2. H = Σ_X̂ + μI, μ = percdamp·mean(diag), percdamp = 1e-4; H = LLᵀ in float64.
-3. Target Y = (W Σ_{XX̂} + μW) L^{−T}; in plain mode Σ_{XX̂} = Σ and this is Y = WL.
+3. Target Y = (W Σ_{XX̂} + μW) L^{−T}; in plain mode Σ_{XX̂} = Σ and this is Y = WL. With residual compensation
+   (``stats.residual_cross``, from the driver) Y = (W Σ_{XX̂} + μW + Σ_{ΔR,X̂}) L^{−T} and the rescalers' B gains the
+   same term, so the layer also cancels the residual stream's accumulated error (spec §4.3).
 4. One global whitened step c = sqrt(12·geomean_j(s_j L_jj²))·2^{−r}, s_j = mean_i W_ij², and per-column W-domain
    steps α_j = c/L_jj (so α_j L_jj = c: equal distortion c²/12 per whitened column = reverse waterfilling at high rate).
 5. SIC in reverse column order: z = round(y_j/c) (integers, no clipping), LMMSE gain γ_j = zᵀy/(zᵀz)/c (0 if z = 0),
@@ -26,7 +28,8 @@ with column accounting all rows are used, since per-column plug-in entropies on 
 ``search_column_powers``: ``all`` (ours, default: the step c uses every row's column powers s_j, so the search
 sees the step the final pass uses) | ``sample`` (the release: s_j from the sampled rows only; with
 ``search_min_rows=0`` this is the released search).
-Not implemented: residual compensation, attention-weighted QKV statistics, the joint ε search and WaterSIC-FT.
+The pipeline extras (residual compensation, attention-weighted QKV statistics, the joint ε search, ``zero_out_rows``)
+live in the driver (``lightning_modules/common/quantize/driver.py``); WaterSIC-FT is not implemented.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ import torch
 
 from lightning_modules.common.quantize.base import LayerStats, QuantResult, Quantizer, dead_columns
 from lightning_modules.common.quantize.rate import (RateReport, column_entropy_bits, entropy_bits,
-                                                    row_and_column_side_bits)
+                                                    row_and_column_side_bits, secant_search)
 
 
 def watersic_step(weight: torch.Tensor, chol: torch.Tensor, r: float) -> tuple[float, torch.Tensor]:
@@ -136,29 +139,6 @@ def entropy_target(rate: float, rows: int, cols: int, live_cols: int, inflate_de
     return (rate * rows * cols - side) / (rows * max(live_cols, 1))
 
 
-def secant_search(entropy_at, target: float, tol: float = 0.005, max_evals: int = 6, clamp: float = 10.0,
-                  start: float | None = None):
-    """The spec's rate targeting: r0 = ``start`` (default H*), r1 = r0 − (H(r0) − H*), then secant steps clamped to
-    [−clamp, clamp], at most ``max_evals`` evaluations, stopping when |H − H*| < tol.
-    Returns (best r, its H, evaluations)."""
-    r0 = target if start is None else start
-    rs, hs = [r0], [entropy_at(r0)]
-    if abs(hs[0] - target) >= tol and max_evals > 1:
-        r1 = max(-clamp, min(clamp, r0 - (hs[0] - target)))
-        rs.append(r1)
-        hs.append(entropy_at(r1))
-    while abs(hs[-1] - target) >= tol and len(rs) < max_evals:
-        dh = hs[-1] - hs[-2]
-        if dh == 0:
-            break
-        r = rs[-1] - (hs[-1] - target) * (rs[-1] - rs[-2]) / dh
-        r = max(-clamp, min(clamp, r))
-        rs.append(r)
-        hs.append(entropy_at(r))
-    best = min(range(len(rs)), key=lambda i: abs(hs[i] - target))
-    return rs[best], hs[best], list(zip(rs, hs))
-
-
 class WaterSIC(Quantizer):
     """WaterSIC for one layer; see the module docstring for the steps and switches."""
 
@@ -195,7 +175,10 @@ class WaterSIC(Quantizer):
         mu = self.percdamp * float(torch.diagonal(sig).mean())
         eye = torch.eye(n_live, dtype=sig.dtype, device=sig.device)
         chol = torch.linalg.cholesky(sig + mu * eye)
-        target = torch.linalg.solve_triangular(chol, (w @ cross + mu * w).T, upper=False).T  # (WΣ_XX̂ + μW) L^{-T}
+        b_mat = w @ cross  # the cross term the layer matches: WΣ_XX̂ (+ Σ_ΔR,X̂ with residual compensation)
+        if stats.residual_cross is not None:
+            b_mat = b_mat + stats.residual_cross.double()[:, live]
+        target = torch.linalg.solve_triangular(chol, (b_mat + mu * w).T, upper=False).T  # (B + μW) L^{-T}
 
         def full_pass(r_):
             c_, al_ = watersic_step(w, chol, r_)
@@ -237,7 +220,7 @@ class WaterSIC(Quantizer):
         if self.rescalers:
             A = z * alpha.unsqueeze(0)
             const = float(((w @ sig_x) * w).sum())
-            t, g, hist = find_optimal_rescalers(A, gamma, sig, w @ cross, const)
+            t, g, hist = find_optimal_rescalers(A, gamma, sig, b_mat, const)
             w_hat = t.unsqueeze(1) * A * g.unsqueeze(0)
             info.update(rescaler_iters=len(hist) - 1, rescaler_gain=hist[0] / max(hist[-1], 1e-300))
         out = torch.zeros(a, n, dtype=torch.float64, device=w.device)
@@ -251,4 +234,9 @@ class WaterSIC(Quantizer):
                             accounting=self.accounting)
         info["alpha"] = alpha
         info["chol_diag"] = torch.diagonal(chol)
+        # the diagonal factors of Ŵ = diag(t)(Z∘α)diag(g), for WaterSIC-FT (finetune.py); dead columns g = 0
+        g_full = torch.zeros(n, dtype=torch.float64, device=w.device)
+        g_full[live] = g if self.rescalers else gamma
+        info["t"] = t if self.rescalers else torch.ones(a, dtype=torch.float64, device=w.device)
+        info["g"] = g_full
         return QuantResult(out, codes, report, info)

@@ -20,12 +20,15 @@ class LayerStats:
     Plain mode: only ``sigma`` = Σ = E[xxᵀ] (x from the full-precision model).
     Sequential (Qronos) mode: ``sigma`` = Σ_X̂ (inputs from the already-quantized model), ``cross`` = Σ_{XX̂} =
     E[x x̂ᵀ] and ``sigma_x`` = Σ_X (full-precision inputs), so the objective is E‖Wx − Ŵx̂‖².
+    ``residual_cross`` (a×n, WaterSIC's residual compensation) = Σ_{ΔR,X̂} = E[(R − R̂) x̂ᵀ]: the objective becomes
+    E‖Wx + R − Ŵx̂ − R̂‖² (quantizers that ignore it, the baselines, minimise the layer's own error).
     """
 
     sigma: torch.Tensor
     cross: torch.Tensor | None = None
     sigma_x: torch.Tensor | None = None
     tokens: int = 0
+    residual_cross: torch.Tensor | None = None
 
     @property
     def sequential(self) -> bool:

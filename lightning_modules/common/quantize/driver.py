@@ -12,20 +12,44 @@ Only the ``nn.Linear`` layers inside the repeated blocks are quantized: embeddin
 precision and are excluded from the rate. ``rate_control`` (spec §4.3) spreads one global budget over the layers in
 order: each layer's target is remaining bits / remaining weights, clamped to [0.05, 16], and its actual rate is
 charged back. The returned report holds a row per layer and the weight-averaged rates.
+
+WaterSIC pipeline extras (spec §4.3; off by default as in the release's CLI, on in the paper-scale experiments, which
+reproduce the paper's best runs):
+- ``residual_compensation`` (``--residual_compensation``, sequential mode): for the layers whose output is added to
+  the residual stream (``o_proj``, ``down_proj``) the statistics also carry Σ_{ΔR,X̂} = E[(R − R̂) x̂ᵀ], R the residual
+  this layer's output is added to (the input of the block's ``input_layernorm`` / ``post_attention_layernorm``, HF
+  Llama / Qwen naming, ``RESIDUAL_SOURCES``) in the full-precision and quantized models; the layer then minimises
+  E‖Wx + R − Ŵx̂ − R̂‖², cancelling the error already in the residual stream.
+- ``attn_weighted_qkv`` = ε (``--attn_weighted_qkv``, the "BOS fix", sequential mode; paper 0.01): the q/k/v input
+  statistics weight each token by the attention mass it receives in the full-precision model (summed over queries,
+  mean over heads, normalised to mean 1), mixed (1 − ε)·weighted + ε·unweighted. [silent] in the spec: the exact
+  importance; ours is the attention received, the quantity that makes the attention-sink (BOS) token matter.
+- ``zero_out_rows`` (``--zero_out_rows``, the Qwen3-8B 2.125-bit headline): {layer-name substring: [rows]}; those
+  output rows are set to zero and not coded (the rest of the matrix is quantized alone; the layer is charged the
+  rest's bits over all its weights). [silent]: the release's row list for Qwen3-8B is not in the spec.
+- ``eps_search`` (``--attn_weighted_adapt_eps_joint`` / ``--qronos_adapt``): per q/k/v group, golden-section search
+  (``eps_steps`` = 10 each) over q_eps (statistics (1 − q)·Qronos + q·plain) and then a_eps (the ε above), each
+  minimising the relative MSE at the block's ``o_proj`` input over the calibration batches.
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from typing import Iterable
 
 import torch
 
 from lightning_modules.common.quantize.base import LayerStats, Quantizer
-from lightning_modules.common.quantize.calibration import MomentCollector, capture_inputs, eval_mode, run_batch
+from lightning_modules.common.quantize.calibration import (MomentCollector, _Stop, capture_inputs, eval_mode,
+                                                           run_batch)
 from lightning_modules.common.quantize.limits import layer_limit
 
 MODES = ("plain", "sequential")
+# a residual-writing layer -> the module whose input is the residual its output is added to (HF Llama / Qwen / Mistral)
+RESIDUAL_SOURCES = {"o_proj": "input_layernorm", "down_proj": "post_attention_layernorm"}
+QKV = ("q_proj", "k_proj", "v_proj")
+ATTN_OUT = "o_proj"
 
 
 def blocks(model) -> list[torch.nn.Module]:
@@ -77,8 +101,11 @@ def _summary(rows: list[dict]) -> dict:
 @torch.no_grad()
 def quantize_model(model, quantizer: Quantizer, batches: list[dict], rate: float, mode: str = "plain",
                    rate_control: bool = False, reference=None, exclude: Iterable[str] = (),
-                   with_limit: bool = True, stats_device: str | None = None, log=print) -> dict:
-    """Quantize ``model`` in place; returns {"layers": [...], "summary": {...}}.
+                   with_limit: bool = True, stats_device: str | None = None, residual_compensation: bool = False,
+                   attn_weighted_qkv: float | None = None, zero_out_rows: dict | None = None, eps_search: bool = False,
+                   eps_steps: int = 10, log=print) -> dict:
+    """Quantize ``model`` in place; returns {"layers": [...], "summary": {...}, "factors": {name: (t, g)}} (the
+    diagonal factors of each factored Ŵ = diag(t)·A·diag(g), WaterSIC's, for WaterSIC-FT).
 
     ``stats_device``: where plain mode keeps its float64 Σ accumulators (e.g. ``cpu`` when all layers' Σ do not fit
     beside the model); each layer's Σ is moved to the weight's device when it is quantized."""
@@ -86,13 +113,19 @@ def quantize_model(model, quantizer: Quantizer, batches: list[dict], rate: float
         raise ValueError(f"quantize mode={mode!r}: use one of {MODES}")
     if not batches:
         raise ValueError("no calibration batches: raise the number of calibration sequences")
+    if mode != "sequential" and (residual_compensation or attn_weighted_qkv is not None or eps_search):
+        raise ValueError("residual_compensation, attn_weighted_qkv and eps_search need the quantized model's inputs: "
+                         "set model.mode=sequential")
+    if attn_weighted_qkv is not None and not 0.0 <= attn_weighted_qkv <= 1.0:
+        raise ValueError(f"attn_weighted_qkv={attn_weighted_qkv}: ε mixes weighted and plain statistics, use 0..1")
+    zero_out_rows = dict(zero_out_rows or {})
     with eval_mode(model):
         groups = linear_groups(model, batches[0], exclude)
         total = sum(m.weight.numel() for g in groups for _, m in g)
         budget_bits, budget_weights = rate * total, total
         budgeted = rate_control and quantizer.fractional_rate
         rows: list[dict] = []
-        plain_stats = {}
+        plain_stats, eps, factors = {}, {}, {}
         if mode == "plain":
             with MomentCollector({g[0][0]: g[0][1] for g in groups}, device=stats_device) as col:
                 for b in batches:
@@ -107,50 +140,201 @@ def quantize_model(model, quantizer: Quantizer, batches: list[dict], rate: float
                 dev = group[0][1].weight.device
                 stats = LayerStats(plain_stats.pop(key).sigma.to(dev), tokens=0)
             else:
-                stats = _sequential_stats(model, reference, ref_modules, group, batches)
+                extras = {"residual": residual_compensation, "a_eps": attn_weighted_qkv}
+                if eps_search and _is_qkv(group):
+                    now = min(16.0, max(0.05, budget_bits / budget_weights)) if budgeted else rate
+                    extras = _search_eps(model, reference, ref_modules, group, batches, quantizer, now, extras,
+                                         eps_steps, log)
+                stats = _sequential_stats(model, reference, ref_modules, group, batches, **extras)
+                eps = {k: extras[k] for k in ("q_eps", "a_eps") if extras.get(k) is not None and _is_qkv(group)}
             for name, mod in group:
                 target = rate
                 if budgeted:
                     target = min(16.0, max(0.05, budget_bits / budget_weights))
                 t0 = time.time()
                 w = mod.weight.detach().double()
-                res = quantizer.quantize(w, stats, target, rate_control=budgeted)
-                mod.weight.copy_(res.weight.to(mod.weight.dtype))
-                mse = stats.output_error(w, res.weight)
-                row = {"layer": name, "rows": w.shape[0], "cols": w.shape[1], "target": target,
-                       "bits": res.rate.bits, "bits_pooled": res.rate.bits_pooled, "bits_column": res.rate.bits_column,
-                       "bits_cardinality": res.rate.bits_cardinality, "mse": mse,
+                zero = sorted({int(i) for k, v in zero_out_rows.items() if k in name for i in v})
+                w_hat, rep = quantize_rows(quantizer, w, stats, target, budgeted, zero)
+                if "factors" in rep:
+                    factors[name] = rep.pop("factors")
+                mod.weight.copy_(w_hat.to(mod.weight.dtype))
+                mse = stats.output_error(w, w_hat)
+                row = {"layer": name, "rows": w.shape[0], "cols": w.shape[1], "target": target, "zeroed_rows": len(zero),
+                       **rep, **eps, "mse": mse,
                        "rel_mse": mse / max(stats.signal_power(w), 1e-300), "time_s": time.time() - t0}
                 if with_limit:
                     row["rd_limit"] = layer_limit(w, stats.sigma, mse)
                 rows.append(row)
-                budget_bits -= res.rate.bits * w.numel()
+                budget_bits -= row["bits"] * w.numel()
                 budget_weights -= w.numel()
                 if log:
                     log(f"[quantize] {name}: {row['bits']:.3f} bits, rel. output MSE {row['rel_mse']:.4g}")
-    return {"layers": rows, "summary": _summary(rows)}
+    return {"layers": rows, "summary": _summary(rows), "factors": factors}
 
 
-def _sequential_stats(model, reference, ref_modules, group, batches) -> LayerStats:
+def quantize_rows(quantizer: Quantizer, w: torch.Tensor, stats: LayerStats, rate: float, rate_control: bool,
+                  zero_rows: list[int]) -> tuple[torch.Tensor, dict]:
+    """Quantize ``w`` except the rows in ``zero_rows`` (set to zero, not coded); returns Ŵ and the layer's rates
+    (bits per weight of the whole layer: the coded rows' bits spread over all rows)."""
+    keep = torch.ones(w.shape[0], dtype=torch.bool, device=w.device)
+    if zero_rows:
+        if max(zero_rows) >= w.shape[0]:
+            raise ValueError(f"zero_out_rows: row {max(zero_rows)} is outside a layer of {w.shape[0]} rows")
+        keep[zero_rows] = False
+    sub = stats if stats.residual_cross is None else dataclasses.replace(stats, residual_cross=stats.residual_cross[keep])
+    res = quantizer.quantize(w[keep], sub, rate, rate_control=rate_control)
+    w_hat = torch.zeros_like(w)
+    w_hat[keep] = res.weight.to(w)
+    frac = float(keep.float().mean())
+    r = res.rate
+    rep = {k: (None if v is None else v * frac) for k, v in (("bits", r.bits), ("bits_pooled", r.bits_pooled),
+                                                            ("bits_column", r.bits_column),
+                                                            ("bits_cardinality", r.bits_cardinality))}
+    if "t" in res.info:  # row factors of a factored Ŵ (WaterSIC), zero on the zeroed rows
+        t = torch.zeros(w.shape[0], dtype=res.info["t"].dtype, device=w.device)
+        t[keep] = res.info["t"]
+        rep["factors"] = (t, res.info["g"])
+    return w_hat, rep
+
+
+def _is_qkv(group) -> bool:
+    return any(name.endswith(QKV) for name, _ in group)
+
+
+def _block_prefix(name: str) -> str:
+    """``model.layers.3.self_attn.q_proj`` -> ``model.layers.3`` (the block holding a layer)."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        if parts[i].isdigit():
+            return ".".join(parts[:i + 1])
+    raise ValueError(f"{name}: no block index in the layer name")
+
+
+def attention_token_weights(model, block_prefix: str, batch: dict) -> torch.Tensor:
+    """Per-token attention importance in one block (B×S): the attention mass each token receives, summed over
+    queries and averaged over heads, normalised to mean 1 over the (unpadded) tokens. Runs the attention in
+    ``eager`` mode (the one that returns its probabilities) and stops the forward after that block's attention."""
+    mods = dict(model.named_modules())
+    attn = mods[block_prefix + ".self_attn"]
+    box = {}
+
+    def hook(mod, args, out):
+        box["p"] = out[1].detach()
+        raise _Stop
+
+    impl = getattr(model.config, "_attn_implementation", None)
+    handle = attn.register_forward_hook(hook)
+    try:
+        if impl != "eager":
+            model.set_attn_implementation("eager")
+        run_batch(model, batch)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+        if impl not in (None, "eager"):
+            model.set_attn_implementation(impl)
+    if box.get("p") is None:
+        raise RuntimeError(f"{block_prefix}.self_attn returned no attention probabilities")
+    w = box["p"].double().mean(1).sum(1)  # (B, S): mean over heads, sum over queries
+    mask = batch.get("attention_mask")
+    mask = torch.ones_like(w) if mask is None else mask.to(w)
+    return w * mask / (w * mask).sum() * mask.sum()
+
+
+def _sequential_stats(model, reference, ref_modules, group, batches, residual: bool = False,
+                      a_eps: float | None = None, q_eps: float = 0.0) -> LayerStats:
+    """Qronos statistics of one group's shared input over the calibration batches (module doc for the extras).
+    ``q_eps`` blends toward plain statistics: Σ_X̂, Σ_{XX̂} ← (1 − q)·(Qronos) + q·Σ_X (q = 1: plain mode's Σ)."""
     name, mod = group[0]
     ref_mod = ref_modules[name]
-    sig_h = cross = sig_x = None
-    count = 0
+    prefix = _block_prefix(name)
+    source = next((v for k, v in RESIDUAL_SOURCES.items() if name.endswith(k)), None) if residual else None
+    weighted = a_eps is not None and _is_qkv(group)
+    acc: dict[str, torch.Tensor] = {}
+    count = 0.0
+    mods = dict(model.named_modules())
+
+    def add(key, val):
+        acc[key] = acc[key] + val if key in acc else val
+
     with eval_mode(reference):
         for b in batches:
             x = capture_inputs(reference, ref_mod, b)
-            xh = capture_inputs(model, mod, b)
-            x = x.reshape(-1, x.shape[-1]).double()
-            xh = xh.reshape(-1, xh.shape[-1]).double().to(x.device)
-            if b.get("attention_mask") is not None:
-                keep = b["attention_mask"].reshape(-1).bool().to(x.device)
-                x, xh = x[keep], xh[keep]
-            upd = (xh.T @ xh, x.T @ xh, x.T @ x)
-            if sig_h is None:
-                sig_h, cross, sig_x = upd
-            else:
-                sig_h += upd[0]
-                cross += upd[1]
-                sig_x += upd[2]
-            count += x.shape[0]
-    return LayerStats(sig_h / count, cross / count, sig_x / count, tokens=count)
+            xh = capture_inputs(model, mod, b).to(x.device)
+            keep = b["attention_mask"].reshape(-1).bool().to(x.device) if b.get("attention_mask") is not None else None
+            flat = lambda t: t.reshape(-1, t.shape[-1]).double() if keep is None else t.reshape(-1, t.shape[-1]).double()[keep]
+            x, xh = flat(x), flat(xh)
+            tok = torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
+            if weighted:
+                aw = attention_token_weights(reference, prefix, b).reshape(-1).to(x.device)
+                aw = aw if keep is None else aw[keep]
+                tok = (1 - a_eps) * aw + a_eps * tok
+            xw = x * tok.unsqueeze(1)
+            add("sig_h", (xh * tok.unsqueeze(1)).T @ xh)
+            add("cross", xw.T @ xh)
+            add("sig_x", xw.T @ x)
+            if source is not None:
+                r = flat(capture_inputs(reference, ref_modules[f"{prefix}.{source}"], b))
+                rh = flat(capture_inputs(model, mods[f"{prefix}.{source}"], b).to(x.device))
+                add("res", ((r - rh) * tok.unsqueeze(1)).T @ xh)
+            count += float(tok.sum())
+    if q_eps:  # blend toward plain statistics (x̂ = x)
+        acc["sig_h"] = (1 - q_eps) * acc["sig_h"] + q_eps * acc["sig_x"]
+        acc["cross"] = (1 - q_eps) * acc["cross"] + q_eps * acc["sig_x"]
+    return LayerStats(acc["sig_h"] / count, acc["cross"] / count, acc["sig_x"] / count, tokens=round(count),
+                      residual_cross=acc["res"] / count if "res" in acc else None)
+
+
+def golden_section(f, lo: float, hi: float, steps: int = 10) -> tuple[float, float]:
+    """Minimise a unimodal ``f`` on [lo, hi] with ``steps`` golden-section evaluations after the first two;
+    returns (argmin among the evaluated points, its value)."""
+    inv = (5 ** 0.5 - 1) / 2
+    a, b = lo, hi
+    c, d = b - inv * (b - a), a + inv * (b - a)
+    fc, fd = f(c), f(d)
+    seen = [(fc, c), (fd, d)]
+    for _ in range(steps):
+        if fc <= fd:
+            b, d, fd = d, c, fc
+            c = b - inv * (b - a)
+            fc = f(c)
+            seen.append((fc, c))
+        else:
+            a, c, fc = c, d, fd
+            d = a + inv * (b - a)
+            fd = f(d)
+            seen.append((fd, d))
+    val, arg = min(seen)
+    return arg, val
+
+
+def _search_eps(model, reference, ref_modules, group, batches, quantizer, rate, extras, steps, log) -> dict:
+    """The joint ε search for one q/k/v group: q_eps, then a_eps (if attention weighting is on), each by golden
+    section on [0, 1], minimising the relative MSE at the block's o_proj input; the group is restored after each
+    trial. Returns the statistics' keyword arguments with the chosen ε."""
+    prefix = _block_prefix(group[0][0])
+    probe_name = f"{prefix}.self_attn.{ATTN_OUT}"
+    mods = dict(model.named_modules())
+    saved = [m.weight.detach().clone() for _, m in group]
+    ref_in = [capture_inputs(reference, ref_modules[probe_name], b).double() for b in batches]
+
+    def rel_mse(kw) -> float:
+        stats = _sequential_stats(model, reference, ref_modules, group, batches, **kw)
+        try:
+            for _, m in group:
+                m.weight.copy_(quantizer.quantize(m.weight.detach().double(), stats, rate).weight.to(m.weight.dtype))
+            err = sum(float(((capture_inputs(model, mods[probe_name], b).double().to(r.device) - r) ** 2).sum())
+                      for b, r in zip(batches, ref_in))
+        finally:
+            for (_, m), w in zip(group, saved):
+                m.weight.copy_(w)
+        return err / sum(float((r ** 2).sum()) for r in ref_in)
+
+    kw = dict(extras)
+    kw["q_eps"], val = golden_section(lambda q: rel_mse({**kw, "q_eps": q}), 0.0, 1.0, steps)
+    if kw.get("a_eps") is not None:
+        kw["a_eps"], val = golden_section(lambda e: rel_mse({**kw, "a_eps": e}), 0.0, 1.0, steps)
+    if log:
+        log(f"[quantize] {prefix} ε search: q_eps {kw['q_eps']:.3f}, a_eps {kw.get('a_eps')}, rel. MSE {val:.4g}")
+    return kw

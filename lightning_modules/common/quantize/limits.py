@@ -45,13 +45,9 @@ def _rd_at(lam: torch.Tensor, theta: float) -> tuple[float, float]:
     return float(rate), float(d.mean())
 
 
-def rate_distortion(lam: torch.Tensor, distortion: float) -> float:
-    """R(D) in bits per weight for whitened eigenvalues ``lam`` at per-weight distortion ``distortion``."""
+def water_level(lam: torch.Tensor, distortion: float) -> float:
+    """The reverse-waterfilling level θ with D(θ) = ``distortion`` (directions with λ_k < θ get zero rate)."""
     lam = lam.double()
-    if distortion >= float(lam.mean()):
-        return 0.0
-    if distortion <= 0:
-        return math.inf
     lo, hi = 0.0, float(lam.max())
     for _ in range(80):  # bisection on the water level; D(θ) is increasing in θ
         mid = 0.5 * (lo + hi)
@@ -59,7 +55,17 @@ def rate_distortion(lam: torch.Tensor, distortion: float) -> float:
             lo = mid
         else:
             hi = mid
-    return _rd_at(lam, 0.5 * (lo + hi))[0]
+    return 0.5 * (lo + hi)
+
+
+def rate_distortion(lam: torch.Tensor, distortion: float) -> float:
+    """R(D) in bits per weight for whitened eigenvalues ``lam`` at per-weight distortion ``distortion``."""
+    lam = lam.double()
+    if distortion >= float(lam.mean()):
+        return 0.0
+    if distortion <= 0:
+        return math.inf
+    return _rd_at(lam, water_level(lam, distortion))[0]
 
 
 def distortion_rate(lam: torch.Tensor, rate: float) -> float:

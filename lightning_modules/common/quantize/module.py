@@ -36,16 +36,24 @@ class QuantizeLMModule(CausalLMModule):
         kl: also evaluate the full-precision reference (``test/ppl_fp``, ``test/kl_bits``).
         stats_device: where plain mode keeps all layers' Σ (``cpu`` at paper scale); null = the model's device.
         with_limit: compute each layer's Gaussian R(D) at its achieved distortion (``quant/rd_limit``).
-        eval_files: a held-out text file (e.g. WikiText-2 test): also report ``eval/ppl``, ``eval/ppl_fp`` and
-            ``eval/kl_bits`` over its non-overlapping ``eval_seq_len`` chunks (documents joined with EOS).
+        eval_sets: held-out texts, name -> {files, text_field ('text'), join, max_documents, max_windows}: each
+            reports ``eval/<name>/ppl``, ``…/ppl_fp`` and ``…/kl_bits`` over non-overlapping ``eval_seq_len``
+            windows. ``join``: a string (WikiText-2's standard "\n\n": every row of the split, empty lines
+            included, as one text tokenized once) or null (non-empty documents, each followed by EOS);
+            ``max_documents`` / ``max_windows`` cut the split (C4 validation: GPTQ's 1100 documents, 256 windows).
+        residual_compensation / attn_weighted_qkv (ε, null = off) / zero_out_rows ({name substring: [rows]}) /
+            eps_search, eps_steps: WaterSIC's pipeline extras (``driver.py``; sequential mode; off by default as in
+            the release's CLI, on in the paper-scale experiments).
         method: removed (the old string registry); set, it fails with one line naming ``model/quantizer=<name>``.
     """
 
     def __init__(self, backbone: Mapping[str, Any], quantizer: Quantizer | None = None,
                  rate: float = 3.0, mode: str = "plain", rate_control: bool = True, n_calib: int = 32,
                  calib_batch_size: int = 8, calib_seed: int = 0, kl: bool = True, with_limit: bool = True,
-                 eval_files: str | None = None, eval_text_field: str = "text", eval_seq_len: int = 2048,
-                 eval_batch_size: int = 4, stats_device: str | None = None, optimizer=None, scheduler=None,
+                 eval_sets: Mapping[str, Mapping[str, Any]] | None = None, eval_seq_len: int = 2048,
+                 eval_batch_size: int = 4, stats_device: str | None = None, residual_compensation: bool = False,
+                 attn_weighted_qkv: float | None = None, zero_out_rows: Mapping[str, list[int]] | None = None,
+                 eps_search: bool = False, eps_steps: int = 10, optimizer=None, scheduler=None,
                  weight_decay: float = 0.0, method: str | None = None):
         if method is not None:
             raise ValueError(f"model.method={method} is gone: choose the quantizer with model/quantizer={method}")
@@ -59,9 +67,13 @@ class QuantizeLMModule(CausalLMModule):
         self.method, self.rate, self.mode, self.rate_control = quantizer.name, rate, mode, rate_control
         self.n_calib, self.calib_batch_size, self.calib_seed = n_calib, calib_batch_size, calib_seed
         self.kl, self.with_limit = kl, with_limit
-        self.eval_files, self.eval_text_field = eval_files, eval_text_field
+        self.eval_sets = {k: eval_set(k, **v) for k, v in (eval_sets or {}).items()}
         self.eval_seq_len, self.eval_batch_size = eval_seq_len, eval_batch_size
         self.stats_device = stats_device
+        self.extras = {"residual_compensation": residual_compensation, "attn_weighted_qkv": attn_weighted_qkv,
+                       "zero_out_rows": dict(zero_out_rows or {}), "eps_search": eps_search, "eps_steps": eps_steps}
+        if mode != "sequential" and (residual_compensation or attn_weighted_qkv is not None or eps_search):
+            raise ValueError("model.residual_compensation / attn_weighted_qkv / eps_search need model.mode=sequential")
         self._reference: list = []  # a list, so the copy is not registered as a submodule (or checkpointed)
         self.quantized = False
         self.results: dict = {}
@@ -92,7 +104,7 @@ class QuantizeLMModule(CausalLMModule):
             self._reference = [copy.deepcopy(self.model).eval().requires_grad_(False)]
         report = quantize_model(self.model, self.quantizer, batches, self.rate,
                                 mode=self.mode, rate_control=self.rate_control, reference=self.reference,
-                                with_limit=self.with_limit, stats_device=self.stats_device)
+                                with_limit=self.with_limit, stats_device=self.stats_device, **self.extras)
         self.quantized = True
         self.results = {"quantization": {"method": self.method, "mode": self.mode, "target_rate": self.rate,
                                          **report["summary"]}, "layers": report["layers"]}
@@ -124,8 +136,8 @@ class QuantizeLMModule(CausalLMModule):
         if self.reference is not None and self.kl:
             self.log("test/ppl_fp", torch.exp(self._fp_sum / self._val_count.clamp_min(1)).float())
             self.log("test/kl_bits", (self._kl_sum / self._kl_pos.clamp_min(1)).float())
-        if self.eval_files:
-            for k, v in self.evaluate_files().items():
+        for name, spec in self.eval_sets.items():
+            for k, v in self.evaluate_text(name, spec).items():
                 self.log(k, v)
         for key in ("bits", "bits_pooled", "bits_column", "bits_cardinality", "rd_limit", "rel_mse"):
             val = self.results.get("quantization", {}).get(key)
@@ -146,22 +158,44 @@ class QuantizeLMModule(CausalLMModule):
                   self.loggers, xlabel="relative output MSE per layer", ylabel="bits per weight", logx=True)
 
     @torch.no_grad()
-    def evaluate_files(self) -> dict[str, float]:
-        from datamodules.common.loaders import local_documents
-        from datamodules.text import tokenize_documents
-
-        tokens = tokenize_documents(local_documents(self.eval_files, self.eval_text_field), self.trainer.datamodule.tokenizer)
+    def evaluate_text(self, name: str, spec: dict) -> dict[str, float]:
+        """Perplexity of the quantized model and its reference, and their KL, on one held-out set (``eval_sets``)."""
+        tokens = eval_tokens(spec, self.trainer.datamodule.tokenizer)
         n = len(tokens) // self.eval_seq_len
+        if spec["max_windows"] is not None:
+            n = min(n, spec["max_windows"])
         if n == 0:
-            raise ValueError(f"model.eval_files={self.eval_files!r} holds fewer than eval_seq_len={self.eval_seq_len} tokens")
-        chunks = torch.from_numpy(tokens[: n * self.eval_seq_len].astype("int64")).view(n, self.eval_seq_len)
+            raise ValueError(f"model.eval_sets.{name} holds fewer than eval_seq_len={self.eval_seq_len} tokens")
+        chunks = torch.as_tensor(tokens[: n * self.eval_seq_len], dtype=torch.int64).view(n, self.eval_seq_len)
         tot = torch.zeros(5, dtype=torch.float64, device=self.device)
         ref = self.reference if self.reference is not None else self.model
         for i in range(0, n, self.eval_batch_size):
             out = nll_and_kl(self.model, ref, {"input_ids": chunks[i:i + self.eval_batch_size].to(self.device)})
             tot += torch.stack([v.to(tot) for v in out])
         nll_q, nll_fp, kl, n_tok, n_pos = tot.tolist()
-        return {"eval/ppl": math.exp(nll_q / n_tok), "eval/ppl_fp": math.exp(nll_fp / n_tok), "eval/kl_bits": kl / n_pos}
+        return {f"eval/{name}/ppl": math.exp(nll_q / n_tok), f"eval/{name}/ppl_fp": math.exp(nll_fp / n_tok),
+                f"eval/{name}/kl_bits": kl / n_pos}
+
+
+def eval_set(name: str, files: str | None = None, text_field: str = "text", join: str | None = "\n\n",
+             max_documents: int | None = None, max_windows: int | None = None) -> dict:
+    """One ``model.eval_sets`` entry, checked before any work (a missing ``files`` names the key)."""
+    if not files:
+        raise ValueError(f"model.eval_sets.{name}.files is not set: give the held-out text file(s)")
+    return {"files": files, "text_field": text_field, "join": join, "max_documents": max_documents,
+            "max_windows": max_windows}
+
+
+def eval_tokens(spec: dict, tokenizer):
+    """The token stream of one eval set: joined as one text (``join``) or documents each followed by EOS."""
+    from datamodules.common.loaders import load_local, local_documents
+    from datamodules.text import tokenize_documents
+
+    if spec["join"] is None:
+        docs = local_documents(spec["files"], spec["text_field"])[: spec["max_documents"]]
+        return tokenize_documents(docs, tokenizer)
+    rows = [t if isinstance(t, str) else "" for t in load_local(spec["files"], field=spec["text_field"])[spec["text_field"]]]
+    return tokenizer(spec["join"].join(rows[: spec["max_documents"]]))["input_ids"]
 
 
 def quantizer_spec(quantizer: Quantizer) -> dict:

@@ -101,3 +101,27 @@ def row_and_column_side_bits(rows: int, live_cols: int, dead_cols: int = 0) -> f
 def row_scale_side_bits(rows: int, groups: int = 1) -> float:
     """One fp16 scale per row and group (GPTQ, RTN): 16·groups/n bits per weight."""
     return 16.0 * rows * groups
+
+
+def secant_search(entropy_at, target: float, tol: float = 0.005, max_evals: int = 6, clamp: float = 10.0,
+                  start: float | None = None):
+    """The WaterSIC spec's rate targeting (§4.2 step 7; rate-targeted Huffman-GPTQ uses it too): r0 = ``start``
+    (default H*), r1 = r0 − (H(r0) − H*), then secant steps clamped to [−clamp, clamp], at most ``max_evals``
+    evaluations, stopping when |H − H*| < tol.
+    Returns (best r, its H, evaluations)."""
+    r0 = target if start is None else start
+    rs, hs = [r0], [entropy_at(r0)]
+    if abs(hs[0] - target) >= tol and max_evals > 1:
+        r1 = max(-clamp, min(clamp, r0 - (hs[0] - target)))
+        rs.append(r1)
+        hs.append(entropy_at(r1))
+    while abs(hs[-1] - target) >= tol and len(rs) < max_evals:
+        dh = hs[-1] - hs[-2]
+        if dh == 0:
+            break
+        r = rs[-1] - (hs[-1] - target) * (rs[-1] - rs[-2]) / dh
+        r = max(-clamp, min(clamp, r))
+        rs.append(r)
+        hs.append(entropy_at(r))
+    best = min(range(len(rs)), key=lambda i: abs(hs[i] - target))
+    return rs[best], hs[best], list(zip(rs, hs))
