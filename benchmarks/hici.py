@@ -251,8 +251,8 @@ def claims(res, argv):
     mechanism = "integrates them into a shared global context, and broadcasts both"
     pairs = [("hici_above_local", hici, local, "HiCI − local", 0.0, "at_least", "> 0 beyond 1.645 s.e."),
              ("hici_close_to_full", hici, full, "HiCI − full", -0.1, "at_least", ">= -0.10 beyond 1.645 s.e."),
-             ("s2_between_local_and_full_low", s2, local, "S²-Attn − local", 0.0, "at_least", "> 0 beyond 1.645 s.e."),
-             ("s2_between_local_and_full_high", s2, full, "S²-Attn − full", 0.0, "at_most", "< 0 beyond 1.645 s.e.")]
+             ("s2_above_local", s2, local, "S²-Attn − local", 0.0, "at_least", "> 0 beyond 1.645 s.e."),
+             ("s2_below_full", s2, full, "S²-Attn − full", 0.0, "at_most", "< 0 beyond 1.645 s.e.")]
     for cid, a, b, what, target, side, words in pairs:  # "close": within 10 points of full attention
         if a is None or b is None:
             continue
@@ -261,7 +261,8 @@ def claims(res, argv):
         v = verdict(d, target, se or None, strict=target == 0.0)
         out.append(Claim(cid, mechanism if cid == "hici_above_local" else quote,
                          f"retrieval accuracy difference {what} (training-time attention)", d, words, v,
-                         f"{what.split(' − ')[0]} {fmt(a)}; {what.split(' − ')[1]} {fmt(b)}", se, min(a["n"], b["n"])))
+                         "; ".join(f"{name} {fmt(r)}" for name, r in zip(what.split(" − "), (a, b))), se,
+                         min(a["n"], b["n"])))
     if hici and "hici_causal_shift_g" in q:
         f = q["hici_causal_shift_g"]["full"]
         d, se = two_proportion(f, hici)
