@@ -90,7 +90,8 @@ def retrieval_accuracy(module, loader, mode: str) -> tuple[int, int]:
     model.eval()
     with attention_enabled(model, mode == "hici"):
         for b in loader:
-            logits = model(input_ids=b["input_ids"][:, :-1], use_cache=False).logits[:, -1]
+            # the whole sequence (segment patterns need seq_len); the prediction for the answer sits at -2
+            logits = model(input_ids=b["input_ids"], use_cache=False).logits[:, -2]
             hits += int((logits.argmax(-1) == b["answer"]).sum())
             n += len(b["answer"])
     model.train(was)
