@@ -190,11 +190,12 @@ def pad_collate(items: list[dict], pad_id: int, multiple: int) -> dict:
 class LongAlpacaDataModule(TextDataModule):
     """The SFT stage: LongAlpaca-12k (a JSON list or .jsonl of {instruction, output}) formatted with ``template``
     (``{instruction}`` and any other record field), truncated to ``seq_len``, padded per batch to ``pad_multiple``.
-    Records are split train/val by a hash of their instruction; loaders and the resumable order as ``TextDataModule``."""
+    Records are split train/val/test by a hash of their instruction; loaders and the resumable order as ``TextDataModule``."""
 
     def __init__(self, tokenizer, files, template: str = "[INST] {instruction} [/INST]", seq_len: int = 16384,
                  pad_multiple: int = 64, **kw):
         kw.setdefault("val_fraction", 0.01)
+        kw.setdefault("test_fraction", 0.01)
         super().__init__(tokenizer, source="files", files=files, seq_len=seq_len, **kw)
         if "{instruction}" not in template:
             raise ValueError(f"data.template={template!r} must contain {{instruction}}")
@@ -221,15 +222,15 @@ class LongAlpacaDataModule(TextDataModule):
     def setup(self, stage: str | None = None):
         if self.train_set is not None:
             return
+        from datamodules.common.splits import split_items
+
         recs = self.records()
-        h = [int(hashlib.sha1(r["instruction"].encode()).hexdigest()[:8], 16) / 0xFFFFFFFF for r in recs]
-        val = [r for r, x in zip(recs, h) if x < self.val_fraction]
-        train = [r for r, x in zip(recs, h) if x >= self.val_fraction]
-        if not train or not val:
-            raise ValueError(f"data.val_fraction={self.val_fraction} leaves an empty train or val split of "
-                             f"{len(recs)} records: change it")
-        self.train_set = InstructionPairs(train, self.tokenizer, self.template, self.seq_len)
-        self.val_set = InstructionPairs(val, self.tokenizer, self.template, self.seq_len)
+        parts = split_items(recs, self.val_fraction, self.test_fraction, key=lambda r: r["instruction"])
+        if not all(parts.values()):
+            raise ValueError(f"data.val_fraction={self.val_fraction} / data.test_fraction={self.test_fraction} leave "
+                             f"an empty train, val or test split of {len(recs)} records: change them")
+        self.train_set, self.val_set, self.test_set = (
+            InstructionPairs(parts[k], self.tokenizer, self.template, self.seq_len) for k in ("train", "val", "test"))
 
     def _collate(self, loader):
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id

@@ -65,13 +65,14 @@ def test_shard_data_streams_windows_from_memmaps_and_scores_the_test_files(tiny_
 
     train, test, _ = docs
     dm = LongContextShardDataModule(tiny_tokenizer, files=str(train), shard_dir=str(tmp_path / "shards"), seq_len=32,
-                                    val_fraction=0.1, test_files=str(test), test_documents=2, progress=False)
+                                    val_fraction=0.1, test_fraction=0.1, test_files=str(test), test_documents=2,
+                                    progress=False)
     dm.setup()
     assert isinstance(dm.train_set, TokenShards) and isinstance(dm.train_set.shard(0), np.memmap)
     assert dm.eval_tokens().numel() > 0 and (dm.eval_tokens() == tiny_tokenizer.eos_token_id).sum() == 2
     no_test = LongContextShardDataModule(tiny_tokenizer, files=str(train), shard_dir=str(tmp_path / "shards"),
-                                         seq_len=32, val_fraction=0.1, progress=False)
-    assert len(no_test.eval_tokens()) == no_test.val_set.tokens  # the validation shards joined
+                                         seq_len=32, val_fraction=0.1, test_fraction=0.1, progress=False)
+    assert len(no_test.eval_tokens()) == no_test.test_set.tokens  # the test shards joined
 
 
 def test_release_perplexity_scores_every_window_fully_and_shards_evenly():
@@ -170,9 +171,11 @@ def test_sft_data_masks_the_prompt_and_pads_to_the_multiple(tiny_tokenizer, tmp_
     recs = [{"instruction": f"summarize doc {i}", "output": f"summary {i}"} for i in range(40)]
     (tmp_path / "la.json").write_text(json.dumps(recs))
     dm = LongAlpacaDataModule(tiny_tokenizer, files=str(tmp_path / "la.json"), template="Q: {instruction} A:",
-                              seq_len=64, pad_multiple=16, val_fraction=0.2, batch_size=2)
+                              seq_len=64, pad_multiple=16, val_fraction=0.2, test_fraction=0.2, batch_size=2)
     dm.setup()
-    assert len(dm.train_set) + len(dm.val_set) == 40 and len(dm.val_set) > 0
+    assert len(dm.train_set) + len(dm.val_set) + len(dm.test_set) == 40 and len(dm.val_set) > 0 and len(dm.test_set) > 0
+    instructions = [{r["instruction"] for r in part.records} for part in (dm.train_set, dm.val_set, dm.test_set)]
+    assert not (instructions[0] & instructions[1] or instructions[0] & instructions[2] or instructions[1] & instructions[2])
     item = dm.train_set[0]
     r = dm.train_set.records[0]
     n_prompt = len(tiny_tokenizer(f"Q: {r['instruction']} A:", add_special_tokens=False)["input_ids"])
@@ -223,7 +226,7 @@ def test_sft_stage_starts_from_the_hici_run_and_scores_longbench_and_topics(tmp_
     (cfg / "dataset2maxlen.json").write_text(json.dumps({"passage_count": 4}))
     write_jsonl(tmp_path / "5_topics.jsonl", [{"prompt": "We talked about cats.", "topics": ["cats"]}])
     value, metrics = run_experiment("hici_tiny", tmp_path / "sft", overrides=[
-        *SMOKE, "data=long_alpaca", f"data.files={tmp_path / 'la.json'}", "data.pad_multiple=16", "data.val_fraction=0.1",
+        *SMOKE, "data=long_alpaca", f"data.files={tmp_path / 'la.json'}", "data.pad_multiple=16", "data.val_fraction=0.1", "data.test_fraction=0.1",
         f"model.init_from={ckpt}", "model.evaluation.ppl_lengths=[]", "model.evaluation.passkey_samples=0",
         f"model.evaluation.longbench_dir={lb}", f"model.evaluation.longbench_config_dir={cfg}",
         "model.evaluation.longbench_tasks=[passage_count]", f"model.evaluation.topics_files={tmp_path}/*_topics.jsonl"])
