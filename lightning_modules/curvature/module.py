@@ -134,9 +134,10 @@ class CurvatureLM(CausalLMModule):
         if self.reg["match_order"]:
             ce, pen = out.loss.detach().abs().clamp_min(1e-12), penalty.detach().abs().clamp_min(1e-12)
             scale = 10.0 ** (math.floor(math.log10(ce.item())) - math.floor(math.log10(pen.item())))
-        bs = batch["input_ids"].shape[0]
-        self.log("train/ce", out.loss, on_step=True, on_epoch=False, batch_size=bs)
-        self.log("train/curvature_penalty", penalty, on_step=True, on_epoch=False, batch_size=bs)
+        if self._trainer is not None:
+            bs = batch["input_ids"].shape[0]
+            self.log("train/ce", out.loss, on_step=True, on_epoch=False, batch_size=bs)
+            self.log("train/curvature_penalty", penalty, on_step=True, on_epoch=False, batch_size=bs)
         return out.loss + self.reg_lambda * scale * penalty
 
     # --- analysis --------------------------------------------------------------------------------------------
