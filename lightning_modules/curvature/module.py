@@ -12,8 +12,10 @@
   ``reg.layers``). A fit logs the same analysis at step 0, before the first update (``results["emergence"]``).
 - the perturbation (test loop, ``perturb.n_positions`` > 0): at hidden-state index ``perturb.layer`` (null = L//2)
   and random tokens t, h_t += δ with ‖δ‖ = ``scale``·‖h_t - h_{t-1}‖ through ``activations.intervene``, δ of
-  ``perturb.kind`` (perturb.py); logged ``test/perturb/<condition>/{dH, dH_lo, dH_hi, dNLL, dtheta}`` and, for
-  pca_sampled, the paired difference straight - curvy.
+  ``perturb.kind`` (perturb.py; a list measures several kinds on the same tokens); logged
+  ``test/perturb/<condition>/{dH, dH_lo, dH_hi, dNLL, dtheta}`` and the paired differences aligned - misaligned
+  (``<straight|extrapolation>_minus_<curvy|orthogonal|random>``). Positions are drawn from their own seeded stream,
+  so runs of different kinds perturb the same tokens.
 - the straightening regulariser in ``compute_loss``: CE + λ·mean_t,k κ_t^k over ``reg.layers`` (null = the middle
   half of the blocks' outputs); ``reg.form`` angle (eps in the norms, cosine within ±(1-1e-6)) | second_diff
   (‖h_{t+1} - 2h_t + h_{t-1}‖, the precursor's, not scale-invariant); ``reg.match_order`` rescales the penalty to
@@ -41,6 +43,7 @@ from lightning_modules.curvature.perturb import KINDS, perturbation_effects, top
 CONTROLS = ("position", "log_frequency", "surprisal")
 PERTURB = dict(layer=None, scale=0.5, kind="pca_sampled", n_candidates=64, pcs=10, n_positions=512,
                positions_per_sequence=8, seed=0)
+ALIGNED_CONDITIONS, MISALIGNED_CONDITIONS = ("straight", "extrapolation"), ("curvy", "orthogonal", "random")
 REG = dict(layers=None, form="angle", match_order=True, delay_steps=0, eps=1e-8)
 
 
@@ -82,8 +85,11 @@ class CurvatureLM(CausalLMModule):
         if not 1 <= int(self.perturb["layer"]) <= L:
             raise ValueError(f"model.perturb.layer={self.perturb['layer']} is beyond the model's depth: hidden-state "
                              f"indices 1..{L} (k = the output of block k-1)")
-        if self.perturb["kind"] not in KINDS:
-            raise ValueError(f"model.perturb.kind={self.perturb['kind']!r}: choose one of {', '.join(KINDS)}")
+        kinds = [self.perturb["kind"]] if isinstance(self.perturb["kind"], str) else list(self.perturb["kind"])
+        if not kinds or any(k not in KINDS for k in kinds):
+            raise ValueError(f"model.perturb.kind={self.perturb['kind']!r}: choose one of {', '.join(KINDS)} "
+                             "(or a list of them, measured on the same tokens)")
+        self.perturb["kind"] = kinds
         reg = dict(reg or {})
         self.reg_lambda = float(reg.pop("lambda", 0.0))
         self.reg = {**REG, **reg}
@@ -182,14 +188,16 @@ class CurvatureLM(CausalLMModule):
         B, T = input_ids.shape
         if T < 5:
             return
-        gen = torch.Generator().manual_seed(int(p["seed"]) * 100003 + batch_idx)
-        pcs = top_pcs(h, int(p["pcs"])) if p["kind"] == "pca_sampled" else None
+        # positions from their own stream, so runs of different kinds perturb the same tokens
+        where = torch.Generator().manual_seed(int(p["seed"]) * 100003 + batch_idx)
+        gen = torch.Generator().manual_seed(int(p["seed"]) * 100003 + batch_idx + 7919)
+        pcs = top_pcs(h, int(p["pcs"])) if "pca_sampled" in p["kind"] else None
         for _ in range(int(p["positions_per_sequence"])):
             left = int(p["n_positions"]) - r["n_perturbed"]
             if left <= 0:
                 break
             rows = min(B, left)
-            ts = torch.randint(max(2, self.window - 1), T - 1, (rows,), generator=gen).to(input_ids.device)
+            ts = torch.randint(max(2, self.window - 1), T - 1, (rows,), generator=where).to(input_ids.device)
             eff = perturbation_effects(self.model, input_ids[:rows], logits[:rows], h[:rows], k, ts, p["kind"],
                                        float(p["scale"]), pcs=pcs, n_candidates=int(p["n_candidates"]), generator=gen)
             for cond, vals in eff.items():
@@ -200,8 +208,8 @@ class CurvatureLM(CausalLMModule):
 
     def _gathered(self):
         r = self._records
-        if self.trainer is not None and self.trainer.world_size > 1:  # every rank's tokens, on every rank
-            parts = [None] * self.trainer.world_size
+        if self._trainer is not None and self._trainer.world_size > 1:  # every rank's tokens, on every rank
+            parts = [None] * self._trainer.world_size
             torch.distributed.all_gather_object(parts, r)
             r = {"rows": [x for p in parts for x in p["rows"]], "nll": sum(p["nll"] for p in parts),
                  "count": sum(p["count"] for p in parts),
@@ -244,12 +252,12 @@ class CurvatureLM(CausalLMModule):
                         f"{stage}/perturb/{cond}/dNLL": float(cat_p["dNLL"].mean()),
                         f"{stage}/perturb/{cond}/dtheta": float(cat_p["dtheta"].mean()),
                         f"{stage}/perturb/n": len(cat_p["dH"])})
-        if {"straight", "curvy"} <= set(r["perturb"]):
-            d = torch.cat(r["perturb"]["straight"]["dH"]) - torch.cat(r["perturb"]["curvy"]["dH"])
-            m, lo, hi = paired_ci(d)
-            out.update({f"{stage}/perturb/straight_minus_curvy/dH": m,
-                        f"{stage}/perturb/straight_minus_curvy/dH_lo": lo,
-                        f"{stage}/perturb/straight_minus_curvy/dH_hi": hi})
+        for a in ALIGNED_CONDITIONS:  # paired on the same tokens: aligned minus each misaligned condition
+            for b in MISALIGNED_CONDITIONS:
+                if {a, b} <= set(r["perturb"]):
+                    m, lo, hi = paired_ci(torch.cat(r["perturb"][a]["dH"]) - torch.cat(r["perturb"][b]["dH"]))
+                    out.update({f"{stage}/perturb/{a}_minus_{b}/dH": m, f"{stage}/perturb/{a}_minus_{b}/dH_lo": lo,
+                                f"{stage}/perturb/{a}_minus_{b}/dH_hi": hi})
         return out
 
     def _log_summary(self, stage: str, step: int | None = None):
