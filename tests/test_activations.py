@@ -103,3 +103,20 @@ def test_intervene_lands_on_the_same_position_in_cached_generation(model):
         plain = model(ids).logits
     assert (full[0, t] - plain[0, t]).abs().max() > 1e-3 and (full[1, t - 2] - plain[1, t - 2]).abs().max() > 1e-3
     torch.testing.assert_close(full[0, :t], plain[0, :t], rtol=0, atol=0)
+
+
+def test_intervene_applies_inside_generate(model):
+    """An edit at a position generate() reaches only through the KV cache gives the scores of full re-forwards."""
+    ids, layer = _ids(B=1, T=5), 1
+    t = ids.shape[1] + 1                                       # the second generated token's position
+    edit = at(t, 5 * torch.randn(32, generator=torch.Generator().manual_seed(5)))
+    with torch.no_grad(), intervene(model, layer, edit):
+        gen = model.generate(ids, max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True,
+                             pad_token_id=0)
+        seq = gen.sequences
+        full = model(seq[:, :-1]).logits[:, ids.shape[1] - 1:]   # no cache: every position recomputed
+    torch.testing.assert_close(torch.stack(gen.scores, 1), full, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        plain = model(seq[:, :-1]).logits[:, ids.shape[1] - 1:]
+    assert (plain[:, 2:] - full[:, 2:]).abs().max() > 1e-3        # the edit at t reached the later scores
+    torch.testing.assert_close(plain[:, :2], full[:, :2], rtol=0, atol=0)

@@ -279,7 +279,7 @@ class CurvatureLM(CausalLMModule):
     def on_train_start(self):
         """Step 0 of the emergence curve: the validation analysis before any update."""
         loader = self.trainer.datamodule.val_dataloader() if self.trainer.datamodule is not None else None
-        if loader is None:
+        if loader is None or self.global_step > 0:  # a resumed fit has its step 0 already
             return
         was = self.model.training
         self.model.eval()
