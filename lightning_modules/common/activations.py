@@ -34,8 +34,9 @@ _OUT_PROJ = ("o_proj", "c_proj", "dense", "out_proj")
 
 def hf_model(model):
     """The transformers model of a ``CausalLMModule`` (or the model itself)."""
-    inner = getattr(model, "model", None)
-    return model if inner is None or not isinstance(inner, torch.nn.Module) or not hasattr(model, "decoder_layers") else inner
+    from lightning_modules.common.lm import CausalLMModule
+
+    return model.model if isinstance(model, CausalLMModule) else model
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
@@ -176,9 +177,9 @@ def at(t: torch.Tensor | int, delta: torch.Tensor) -> Callable[[torch.Tensor, to
     a forward that does not contain that position is left alone."""
 
     def fn(h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        B = h.shape[0]
-        ts = torch.as_tensor(t, device=h.device).expand(B) if torch.as_tensor(t).ndim == 0 else torch.as_tensor(t, device=h.device)
-        d = delta.to(h).expand(B, h.shape[-1]) if delta.ndim == 1 else delta.to(h)
+        B, D = h.shape[0], h.shape[-1]
+        ts = torch.as_tensor(t, device=h.device).reshape(-1).expand(B)
+        d = delta.to(h).reshape(-1, D).expand(B, D)
         hit = (positions[None, :] == ts[:, None]).to(h.dtype)          # (B, T): 1 where the row's position is here
         return h + hit[..., None] * d[:, None, :]
 

@@ -158,7 +158,7 @@ class CurvatureLM(CausalLMModule):
         dt = self.analysis_dtype
         kappa = torch.stack([contextual_curvature(states[k].to(dt), self.window) for k in self.layers], -1)  # B,T,K
         logp = torch.log_softmax(logits.to(dt), -1)
-        entropy = -(logp.exp() * logp).sum(-1)
+        entropy = -(logp.exp() * logp).sum(-1)       # token_entropy, sharing logp with the surprisal
         B, T = input_ids.shape
         surprisal = torch.full((B, T), math.nan, dtype=dt, device=logits.device)
         surprisal[:, 1:] = -logp[:, :-1].gather(-1, input_ids[:, 1:, None])[..., 0]
@@ -290,6 +290,16 @@ class CurvatureLM(CausalLMModule):
             self._add(batch["input_ids"].to(self.device))
         self._log_summary("val", step=0)
         self.model.train(was)
+
+    def on_fit_end(self):
+        """The emergence curve on the dashboards: val r(κ, H) by step and layer."""
+        from lightning_modules.common.dashboard import heatmap
+
+        em = self.results["emergence"]
+        if len(em) > 1:
+            heatmap("val/r_by_step", [[e[k] for k in self.layers] for e in em], self.loggers,
+                    xlabel="hidden-state index (0 = embeddings)", ylabel="step", xticks=self.layers,
+                    yticks=[e["step"] for e in em])
 
     def on_validation_epoch_start(self):
         self._start()
