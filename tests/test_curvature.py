@@ -110,6 +110,21 @@ def test_regularised_loss_is_ce_plus_lambda_times_the_rescaled_penalty(form):
     assert all(torch.isfinite(p.grad).all() for p in module.model.parameters() if p.grad is not None)
 
 
+def test_match_order_off_and_delay_steps():
+    ids = torch.randint(0, 61, (2, 12), generator=_gen(12))
+    batch = {"input_ids": ids, "labels": ids}
+    torch.manual_seed(0)
+    delayed = CurvatureLM(TINY, reg={"lambda": 0.3, "delay_steps": 5})
+    delayed.configure_model()
+    ce = delayed.model(input_ids=ids, labels=ids).loss
+    assert delayed.compute_loss(batch).item() == pytest.approx(ce.item(), rel=1e-6)  # step 0 < 5: CE only
+    raw = CurvatureLM(TINY, reg={"lambda": 0.3, "match_order": False})
+    raw.model = delayed.model
+    hs = raw.model(input_ids=ids, output_hidden_states=True).hidden_states
+    penalty = torch.stack([contextual_curvature_from(soft_angles(hs[k]), 3) for k in raw.reg["layers"]]).mean()
+    assert raw.compute_loss(batch).item() == pytest.approx(ce.item() + 0.3 * penalty.item(), rel=1e-5)
+
+
 def contextual_curvature_from(values, window):
     """Mean over t >= w-1 of the window means of per-triple values, written out as loops (the reference)."""
     k, T = window - 2, values.shape[-1] + 2

@@ -3,8 +3,8 @@
 Kinds (``perturb.kind``), each a dict of conditions -> δ (B, D):
 
 - ``pca_sampled`` (default, after the precursor's perturb_straight.py, described not copied): ``n_candidates``
-  random directions inside the top-``pcs`` principal components of the layer's activations, scored by the angle at
-  t of (h_{t-2}, h_{t-1}, h_t + δ); conditions ``straight`` (smallest angle, aligned) and ``curvy`` (largest);
+  random directions inside the top-``pcs`` principal components of the layer's activations (the batch's tokens at
+  that layer, centred), scored by the angle at t of (h_{t-2}, h_{t-1}, h_t + δ); conditions ``straight`` (smallest angle, aligned) and ``curvy`` (largest);
 - ``extrapolation``: toward the linear extrapolation ĥ_t = 2h_{t-1} - h_{t-2} (aligned);
 - ``orthogonal``: a random direction ⟂ span{v_{t-2}, ĥ_t - h_t} (misaligned: first-order no change of the angle);
 - ``random``: an isotropic random direction.
