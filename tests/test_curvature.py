@@ -200,6 +200,21 @@ def test_revision_needs_a_hub_id(pretrained):
     check_revision({"pretrained": "EleutherAI/pythia-2.8b", "revision": "step0"})  # fine
 
 
+def test_revision_reaches_from_pretrained(monkeypatch):
+    import transformers
+
+    from lightning_modules.common.backbone import build_backbone
+
+    seen = {}
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda location, **kw: seen.update(location=location, **kw) or torch.nn.Linear(1, 1))
+    build_backbone({**TINY, "pretrained": "EleutherAI/pythia-2.8b", "revision": "step1000"})
+    assert seen["location"] == "EleutherAI/pythia-2.8b" and seen["revision"] == "step1000"
+    seen.clear()
+    build_backbone({**TINY, "pretrained": "EleutherAI/pythia-2.8b", "revision": None})
+    assert "revision" not in seen                              # null: transformers' default (main)
+
+
 # --- end to end -------------------------------------------------------------------------------------------------
 def test_curvature_tiny_runs_the_analysis_and_the_perturbation(tmp_path):
     # debug=smoke leaves the perturbation's size alone: 64 tokens, 4 a sequence, 16 candidates
