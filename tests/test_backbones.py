@@ -28,6 +28,7 @@ PUBLISHED = {
     "llama2_13b": 13_015_864_320,          # meta-llama/Llama-2-13b-hf
     "qwen3_8b": 8_190_735_360,             # Qwen/Qwen3-8B
     "gpt2_xl": 1_557_611_200,              # openai-community/gpt2-xl (tied LM head)
+    "gpt2_small": 124_439_808,             # openai-community/gpt2 (tied LM head)
     "pythia_2p8b": 2_775_208_960,          # EleutherAI/pythia-2.8b
     "llama31_8b": 8_030_261_248,           # meta-llama/Llama-3.1-8B(-Instruct)
     "llama3_8b": 8_030_261_248,            # meta-llama/Meta-Llama-3-8B

@@ -5,6 +5,7 @@ A backbone spec (``conf/backbone/*.yaml``) is plain data::
     family: llama                  # transformers model_type
     config: {hidden_size: 128, ...} # architecture numbers (kwargs of the transformers config class)
     pretrained: null               # hub id, local dir, ``tiny-lm`` (the project's cached tiny model) or null
+    revision: null                 # a hub branch/tag/commit of ``pretrained`` (Pythia's ``step143000``); hub ids only
     dtype: float32                 # bf16 at paper scale
     attn_implementation: sdpa      # sdpa | eager | flash_attention_2
     gradient_checkpointing: false
@@ -38,6 +39,19 @@ def build_config(spec: Mapping[str, Any]):
     return AutoConfig.for_model(spec["family"], **kwargs)
 
 
+def check_revision(spec: Mapping[str, Any]) -> None:
+    """``revision`` names a hub checkpoint; a local dir or a cached tiny model has none (one line, before loading)."""
+    from datamodules.common.tiny_models import is_tiny_model
+
+    revision, pretrained = spec.get("revision"), spec.get("pretrained")
+    if revision is None:
+        return
+    if not pretrained or is_tiny_model(pretrained) or str(pretrained).startswith(("/", "./", "../", "~")):
+        raise ValueError(f"backbone.revision={revision!r} needs a hub id in backbone.pretrained (got {pretrained!r}): "
+                         "a local dir or tiny model has no revisions; point backbone.pretrained at that checkpoint's dir "
+                         "and set backbone.revision=null")
+
+
 def build_backbone(spec: Mapping[str, Any], meta: bool = False):
     """A causal LM from a spec: random init from ``config`` (or on the meta device), or ``from_pretrained``."""
     import torch
@@ -46,6 +60,7 @@ def build_backbone(spec: Mapping[str, Any], meta: bool = False):
     dtype = _dtype(spec.get("dtype"))
     attn = spec.get("attn_implementation") or "sdpa"
     pretrained = spec.get("pretrained")
+    check_revision(spec)
     if meta or not pretrained:
         config = build_config(spec)
         config._attn_implementation = attn
@@ -55,7 +70,8 @@ def build_backbone(spec: Mapping[str, Any], meta: bool = False):
     else:
         location = resolve_pretrained(pretrained)
         try:
-            model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, attn_implementation=attn,
+            extra = {"revision": spec["revision"]} if spec.get("revision") else {}
+            model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, attn_implementation=attn, **extra,
                                                          trust_remote_code=bool(spec.get("trust_remote_code", False)))
         except OSError as err:
             raise PretrainedNotFoundError(
