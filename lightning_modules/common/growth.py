@@ -129,7 +129,7 @@ def _copy_flags(order: list[int]) -> torch.Tensor:
 def _noisy(source: torch.Tensor, order: list[int], alpha: float, sigma: torch.Tensor, gen) -> torch.Tensor:
     """Rows ``order`` of ``source``; copies get N(0, (alpha·sigma)²), sigma broadcast per expert (E, 1, ...)."""
     grown = source[order].clone()
-    if alpha:
+    if alpha and not grown.is_meta:  # a meta model (parameter counting) has no values to perturb
         is_copy = _copy_flags(order).to(source.device)
         noise = torch.randn(grown.shape, generator=gen, dtype=torch.float32).to(grown)
         std = (alpha * sigma[order]).to(grown)
