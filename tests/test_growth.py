@@ -260,3 +260,34 @@ def test_growth_tiny_grows_tiny_moe_and_trains(tmp_path, tiny_models):
     assert p["params/total"] == parameter_counts(grown)["total"] and p["growth/active"] == parameter_counts(grown)["active"]
     assert p["growth/flops"] == 6 * p["growth/active"] * 20 * 8 * 64  # 20 steps x batch 8 x 64 tokens
     assert value == metrics["best"]["value"] and value < 8  # ln(2048) = 7.6 is a uniform guess
+
+
+# --- configs ------------------------------------------------------------------------------------------------------
+def test_scratch_baselines_have_the_grown_shape():
+    from omegaconf import OmegaConf
+
+    from lightning_modules.common.backbone import build_backbone
+    from tests.helpers import compose
+
+    for grown_exp, scratch_exp in (("growth_tiny", "growth_scratch_tiny"),
+                                   ("growth_olmoe_depth_width", "growth_olmoe_scratch")):
+        grown_cfg, scratch_cfg = compose(grown_exp), compose(scratch_exp)
+        spec = OmegaConf.to_container(grown_cfg.backbone, resolve=True)
+        model = build_backbone({**spec, "pretrained": None}, meta=True)  # the source's recorded shape
+        g = grown_cfg.model.growth
+        grow_depth(model, **{k: v for k, v in g.depth.items() if k != "enabled"})
+        grow_width(model, **{k: v for k, v in g.width.items() if k != "enabled"})
+        scratch = build_backbone(OmegaConf.to_container(scratch_cfg.backbone, resolve=True), meta=True)
+        assert parameter_counts(scratch) == parameter_counts(model), scratch_exp
+        assert scratch_cfg.trainer.max_steps == grown_cfg.trainer.max_steps  # same extra tokens
+        assert "growth" not in scratch_cfg.model
+
+
+def test_sunk_cost_sweep_grows_each_revision():
+    from tests.helpers import compose
+
+    cfg = compose("growth_olmoe_depth_width", ["+sweep=growth_sunk_cost"])
+    sources = [s.strip() for s in cfg.hydra.sweeper.params["backbone.pretrained"].split(",")]
+    assert len(sources) == 4 and sources[-1].endswith("OLMoE-1B-7B-0924")
+    job = compose("growth_olmoe_depth_width", ["+sweep=growth_sunk_cost", f"backbone.pretrained={sources[0]}"])
+    assert job.model.growth.source == sources[0] and job.model.growth.source_tokens is None
