@@ -6,9 +6,15 @@ pretraining is the base module's loop with a fresh optimizer (the growth edits w
 ``parameters`` record the source and grown sizes, the active parameters N_a and the compute: 6·N_a·D of the
 continued training, the source's 6·N_a·D (from ``growth.source_tokens``) and its Chinchilla point
 F_c = 6·N_a·(20·N_a), past which the paper finds interposition ahead of stacking.
+
+Under DeepSpeed ZeRO-3 every rank would otherwise hold the whole grown model: global rank 0 grows it once into
+``growth.grown_dir`` (weights only, like the paper's offline checkpoint-growth tool) and every rank then loads that
+checkpoint straight into its partitions.
 """
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from lightning_modules.common import growth as ops
@@ -66,6 +72,19 @@ class GrowthModule(CausalLMModule):
                                  "in depth only (model.growth.width.enabled=false)")
 
     def build_model(self):
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        if not is_deepspeed_zero3_enabled():
+            return self.grow()
+        out = Path(self.growth["grown_dir"])
+        if self.trainer.global_rank == 0 and not (out / "config.json").exists():
+            with _unpartitioned():
+                self.grow().save_pretrained(str(out))
+        self.trainer.strategy.barrier("growth")
+        return build_backbone({**self.backbone_spec, "pretrained": str(out)})
+
+    def grow(self):
+        """The source, loaded and grown in ``growth.order``."""
         g = self.growth
         model = build_backbone({**self.backbone_spec, "pretrained": g["source"]})
         self.source_counts = ops.parameter_counts(model)
@@ -96,3 +115,20 @@ class GrowthModule(CausalLMModule):
         if self.growth.get("source_tokens"):
             out["growth/source_flops"] = 6.0 * src_active * self.growth["source_tokens"]
         return out
+
+
+@contextlib.contextmanager
+def _unpartitioned():
+    """Build full (unsharded) modules inside Lightning's ``deepspeed.zero.Init``: ZeRO's partitioning hooks and
+    transformers' ZeRO-3 loading path off for the block, back on after it."""
+    from deepspeed.runtime.zero.partition_parameters import restore_init_context, shutdown_init_context
+    from transformers.integrations import deepspeed as hf_ds
+
+    ref = hf_ds._hf_deepspeed_config_weak_ref
+    shutdown_init_context()
+    hf_ds.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = ref
+        restore_init_context()
