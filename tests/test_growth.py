@@ -259,6 +259,9 @@ def test_growth_tiny_grows_tiny_moe_and_trains(tmp_path, tiny_models):
     grow_width(grown)
     assert p["params/total"] == parameter_counts(grown)["total"] and p["growth/active"] == parameter_counts(grown)["active"]
     assert p["growth/flops"] == 6 * p["growth/active"] * 20 * 8 * 64  # 20 steps x batch 8 x 64 tokens
+    r = metrics["results"]  # depth first (interposition), then width (appended copies)
+    assert r["depth_index"] == [0, 0, 1, 1, 2, 2, 3, 3] and r["expert_order"] == [0, 1, 2, 3] * 2
+    assert len(r["norm_profile_source"]) == 4 and len(r["norm_profile_grown"]) == 8
     assert value == metrics["best"]["value"] and value < 8  # ln(2048) = 7.6 is a uniform guess
 
 

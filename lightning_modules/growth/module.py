@@ -43,6 +43,7 @@ class GrowthModule(CausalLMModule):
         self.growth = _plain(growth)
         self._check(self.growth, self.backbone_spec.get("config") or {})
         self.source_counts: dict[str, int] = {}
+        self.results: dict[str, list] = {}  # metrics.json's results: the maps applied and the per-layer norm curves
         self.tokens_seen = 0
 
     @staticmethod
@@ -88,15 +89,17 @@ class GrowthModule(CausalLMModule):
         g = self.growth
         model = build_backbone({**self.backbone_spec, "pretrained": g["source"]})
         self.source_counts = ops.parameter_counts(model)
+        self.results = {"norm_profile_source": ops.layer_norm_profile(model)}
         steps = ("depth", "width") if g.get("order", "depth_first") == "depth_first" else ("width", "depth")
         for step in steps:
             cfg = {k: v for k, v in g.get(step, {}).items() if k != "enabled"}
             if not g.get(step, {}).get("enabled"):
                 continue
             if step == "depth":
-                ops.grow_depth(model, **cfg)
+                self.results["depth_index"] = ops.grow_depth(model, **cfg)
             else:
-                ops.grow_width(model, seed=g.get("seed", 0), **cfg)
+                self.results["expert_order"] = ops.grow_width(model, seed=g.get("seed", 0), **cfg)
+        self.results["norm_profile_grown"] = ops.layer_norm_profile(model)
         return model
 
     def training_step(self, batch, batch_idx):
