@@ -65,10 +65,12 @@ def test_depth_index_maps_interposition_and_stacking_with_ignored_ends():
 
 def test_copied_layers_land_where_the_map_says_and_layer_idx_is_renumbered():
     src = mixtral()
+    src.config.layer_types = [f"type{i}" for i in range(L)]  # as hybrid models (sliding/full) carry
     for method, expected in (("interposition", [0, 0, 1, 1, 2, 2]), ("stack", [0, 1, 2, 0, 1, 2])):
         g = copy.deepcopy(src)
         assert grow_depth(g, method) == expected
         assert g.config.num_hidden_layers == 6 and len(g.model.layers) == 6
+        assert g.config.layer_types == [f"type{i}" for i in expected]
         for i, s in enumerate(expected):
             torch.testing.assert_close(g.model.layers[i].self_attn.q_proj.weight, src.model.layers[s].self_attn.q_proj.weight,
                                        rtol=0, atol=0)
