@@ -45,7 +45,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--source-steps", type=int, default=240, help="the source's pretraining steps (tiny-moe's)")
     p.add_argument("--snapshots", type=int, nargs="+", default=[0, 80, 160], help="sunk-cost sources (steps)")
-    p.add_argument("--steps", type=int, default=120, help="continued-training steps of every arm (extra compute)")
+    p.add_argument("--steps", type=int, default=100, help="continued-training steps of every arm (extra compute)")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--quick", action="store_true", help="source 40 steps, snapshots 0 20, 10 steps per arm")
     p.add_argument("--out", type=Path, default=Path("outputs/benchmarks/growth"))
