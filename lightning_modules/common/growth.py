@@ -34,7 +34,7 @@ _OUTPUT_PROJECTIONS = ("o_proj.weight", "o_proj.bias", "down_proj", "down_proj.w
 _EXPERT_BIASES = ("expert_bias", "e_score_correction_bias")
 
 
-def _check_factor(factor, what: str) -> int:
+def check_factor(factor, what: str) -> int:
     if isinstance(factor, bool) or not isinstance(factor, int) or factor < 2:
         raise ValueError(f"model.growth.{what}.factor={factor!r}: use an integer >= 2 (the paper grows by 2)")
     return factor
@@ -49,7 +49,7 @@ def depth_index_map(n_layers: int, method: str = "interposition", factor: int = 
     >>> depth_index_map(3, "stack")         # l1 l2 l3 l1 l2 l3
     [0, 1, 2, 0, 1, 2]
     """
-    _check_factor(factor, "depth")
+    check_factor(factor, "depth")
     if method not in DEPTH_METHODS:
         raise ValueError(f"model.growth.depth.method={method!r}: choose one of {', '.join(DEPTH_METHODS)}")
     if min(ignore_first, ignore_last) < 0 or ignore_first + ignore_last >= n_layers:
@@ -100,8 +100,7 @@ def grow_depth(model, method: str = "interposition", factor: int = 2, ignore_fir
 
 def moe_blocks(model) -> list[nn.Module]:
     """The MoE blocks (``mlp`` with a router ``gate.weight`` and fused ``experts``) of every decoder layer."""
-    blocks = [layer.mlp for layer in _layers(model) if _is_moe(getattr(layer, "mlp", None))]
-    return blocks
+    return [layer.mlp for layer in _layers(model) if _is_moe(getattr(layer, "mlp", None))]
 
 
 def _is_moe(block) -> bool:
@@ -154,7 +153,7 @@ def grow_width(model, factor: int = 2, alpha: float = 0.01, sigma_over: str = "e
     """Duplicate every expert of every MoE block in place (E -> factor·E, top-k -> factor·k); returns the expert order.
 
     ``router_init=random`` gives the new router rows N(0, 0.02²) instead of noisy copies (the ablation)."""
-    _check_factor(factor, "width")
+    check_factor(factor, "width")
     if sigma_over not in SIGMA_OVER:
         raise ValueError(f"model.growth.width.sigma_over={sigma_over!r}: choose one of {', '.join(SIGMA_OVER)}")
     if router_init not in ROUTER_INITS:

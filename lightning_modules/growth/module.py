@@ -60,14 +60,14 @@ class GrowthModule(CausalLMModule):
             raise ValueError("growth grows nothing: set model.growth.depth.enabled=true and/or model.growth.width.enabled=true "
                              "(training from scratch is model=lm)")
         if depth.get("enabled"):
-            ops._check_factor(depth.get("factor", 2), "depth")
+            ops.check_factor(depth.get("factor", 2), "depth")
             ignored = depth.get("ignore_first", 0) + depth.get("ignore_last", 0)
             layers = source.get("num_hidden_layers")
             if layers and ignored >= layers:
                 raise ValueError(f"model.growth.depth.ignore_first + ignore_last = {ignored} leaves none of the {layers} "
                                  f"layers to copy: make their sum < {layers}")
         if width.get("enabled"):
-            ops._check_factor(width.get("factor", 2), "width")
+            ops.check_factor(width.get("factor", 2), "width")
             if source and not (source.get("num_local_experts") or source.get("num_experts")):
                 raise ValueError("width growth needs an MoE source (the backbone has no experts): grow a dense model "
                                  "in depth only (model.growth.width.enabled=false)")
