@@ -94,11 +94,11 @@ def main(argv=None):
         profiles["source"] = ops.layer_norm_profile(m)
         ops.grow_depth(m, method)
         profiles[method] = ops.layer_norm_profile(m)
-    result = {"loss": loss, "sunk_loss": sunk_loss, "source_loss": source["final"].get("test/loss"),
+    result = {"loss": loss, "sunk_loss": sunk_loss, "source_val_loss": source["final"].get("val/loss"),
               "source_steps": args.source_steps, "steps": args.steps, "total_steps": total_steps,
               "tokens_per_step": batch * args.seq_len, "parameters": par, "profiles": profiles, "out": str(out)}
     (out / "summary.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: result[k] for k in ("loss", "sunk_loss", "source_loss", "total_steps")}, indent=1))
+    print(json.dumps({k: result[k] for k in ("loss", "sunk_loss", "source_val_loss", "total_steps")}, indent=1))
     plot(result, out)
     return result
 
@@ -132,9 +132,18 @@ def plot(result, out: Path):
     plt.close(fig)
 
 
+# One seed per arm: a loss gap below this is read as a tie (run-to-run noise of these tiny runs [INF]).
+MARGIN = 0.01
+
+
+def beyond_noise(d: float) -> str:
+    """``held`` if the gap d (the claim's direction positive) exceeds MARGIN, ``not_held`` below -MARGIN, else a tie."""
+    return "held" if d > MARGIN else "not_held" if d < -MARGIN else "inconclusive"
+
+
 def claims(result, argv):
     """Claims for benchmarks/results/growth.json, from the measured numbers."""
-    from benchmarks.schema import Claim, verdict_at_least, verdict_at_most
+    from benchmarks.schema import Claim, verdict_at_most
 
     loss, sunk = result["loss"], result["sunk_loss"]
     par, tps = result["parameters"], result["tokens_per_step"]
@@ -152,30 +161,30 @@ def claims(result, argv):
     found.append(Claim(
         "grown_vs_scratch_extra", "yields a 10.6\\% accuracy improvement compared to training from scratch under "
         "identical extra compute budgets", "test loss: scratch at the grown shape (same extra steps) - grown",
-        d, "> 0 (paper: +10.6% accuracy)", verdict_at_least(d, 0.0, strict=True),
+        d, f"> {MARGIN} nats (paper: +10.6% accuracy)", beyond_noise(d),
         f"grown {loss['interposition']:.3f} vs scratch {loss['scratch_extra']:.3f} after {result['steps']} steps"))
     d = loss["scratch_total"] - loss["interposition"]
     found.append(Claim(
         "grown_vs_scratch_total", '"recycle" these checkpoints by strategically expanding their parameters prior to '
         "continued training", "test loss: scratch trained for the source's FLOPs + the extra FLOPs - grown",
-        d, ">= 0 (the spec's equal-total-compute comparison)", verdict_at_least(d, 0.0),
+        d, f"> {MARGIN} nats (the spec's equal-total-compute comparison; within ±{MARGIN}: a tie)", beyond_noise(d),
         f"grown {loss['interposition']:.3f} vs scratch {loss['scratch_total']:.3f} ({result['total_steps']} steps)"))
     d = loss["alpha0"] - loss["interposition"]
     found.append(Claim(
         "noise_helps", "noisy expert duplication for expanded width", "test loss: width growth at α = 0 - at α = 0.01",
-        d, ">= 0 (paper: α = 0.01 about +1 point over α = 0)", verdict_at_least(d, 0.0),
+        d, f"> {MARGIN} nats (paper: α = 0.01 about +1 point over α = 0)", beyond_noise(d),
         f"α=0 {loss['alpha0']:.4f} vs α=0.01 {loss['interposition']:.4f} (one seed)", n=1))
     d = loss["random_router"] - loss["interposition"]
     found.append(Claim(
         "random_router_worse", "noisy expert duplication for expanded width", "test loss: random new router rows "
-        "N(0, 0.02²) - noisy copies", d, "> 0 (paper: random-init new experts worse)", verdict_at_least(d, 0.0, strict=True),
+        "N(0, 0.02²) - noisy copies", d, f"> {MARGIN} nats (paper: random-init new experts worse)", beyond_noise(d),
         f"random {loss['random_router']:.4f} vs copy {loss['interposition']:.4f} (one seed)", n=1))
     d = loss["stack"] - loss["interposition"]
     past = src_flops >= f_c
     found.append(Claim(
         "interposition_vs_stack", "interpositional layer copying for increased depth", "test loss: stacking - "
-        "interposition", d, "> 0 for sources past F_c = 6 N_a (20 N_a)",
-        verdict_at_least(d, 0.0, strict=True) if past else "inconclusive",
+        "interposition", d, f"> {MARGIN} nats for sources past F_c = 6 N_a (20 N_a)",
+        beyond_noise(d) if past else "inconclusive",
         f"stack {loss['stack']:.4f} vs interposition {loss['interposition']:.4f}; the source's FLOPs are "
         f"{src_flops / f_c:.3g} x F_c" + ("" if past else ", before the Chinchilla point the paper's ordering needs")))
     prof = result["profiles"]
@@ -185,7 +194,7 @@ def claims(result, argv):
         "norm_seam", "interpositional layer copying for increased depth", "largest neighbour jump of the per-layer "
         "weight RMS after depth growth, stacking / interposition (each over the source's largest jump)",
         seam["stack"] / seam["interposition"], "> 1 (stacking's norm cliff at the seam)",
-        verdict_at_least(seam["stack"] / seam["interposition"], 1.0, strict=True),
+        "held" if seam["stack"] > seam["interposition"] else "not_held",
         f"interposition {seam['interposition']:.2f}x, stacking {seam['stack']:.2f}x the source's largest step"))
     found.append(Claim(
         "scale_70b", "Empirical results on models up to 70B parameters and 1T tokens", "avg accuracy, 17B -> 70B "
