@@ -22,13 +22,38 @@ def _is_dtensor_model(model) -> bool:
 
 class ExportPretrained(L.Callback):
     """``publish_as``: the cached tiny model (``datamodules/common/tiny_models.py``) this export is, when the run is
-    that model's experiment as configured (``python run.py`` builds ``tiny-lm`` this way)."""
+    that model's experiment as configured (``python run.py`` builds ``tiny-lm`` this way).
+    ``at_steps``: also write snapshots during training, ``<dirpath>_step<N>`` after optimizer step N (the sources of
+    a growth sunk-cost study)."""
 
-    def __init__(self, dirpath: str, publish_as: str | None = None):
+    def __init__(self, dirpath: str, publish_as: str | None = None, at_steps: list[int] | None = None):
         self.dirpath = Path(dirpath)
         self.publish_as = publish_as
+        self.at_steps = set(at_steps or ())
+
+    def on_train_start(self, trainer, pl_module):
+        self._snapshot(trainer, pl_module)  # step 0: the initialisation
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._snapshot(trainer, pl_module)
+
+    def _snapshot(self, trainer, pl_module) -> None:
+        step = trainer.global_step
+        if step in self.at_steps:  # the first batch end after optimizer step N (once, also under accumulation)
+            self.at_steps.discard(step)
+            self._save(trainer, pl_module, self.dirpath.with_name(f"{self.dirpath.name}_step{step}"))
 
     def on_train_end(self, trainer, pl_module):
+        self._save(trainer, pl_module, self.dirpath)
+        if trainer.global_rank == 0 and self.publish_as:
+            from hydra.core.hydra_config import HydraConfig
+
+            from datamodules.common.tiny_models import publish
+
+            hc = HydraConfig.get()
+            publish(self.publish_as, self.dirpath, hc.runtime.choices.get("experiment"), list(hc.overrides.task))
+
+    def _save(self, trainer, pl_module, dirpath: Path) -> None:
         model = getattr(pl_module, "export_model", lambda: pl_module.model)()
         state_dict = None
         gather = contextlib.nullcontext()
@@ -42,17 +67,10 @@ class ExportPretrained(L.Callback):
             state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         with gather:
             if trainer.global_rank == 0:
-                self.dirpath.mkdir(parents=True, exist_ok=True)
-                model.save_pretrained(str(self.dirpath), state_dict=state_dict)
+                dirpath.mkdir(parents=True, exist_ok=True)
+                model.save_pretrained(str(dirpath), state_dict=state_dict)
         if trainer.global_rank != 0:
             return
         dm = trainer.datamodule
         if dm is not None and getattr(dm, "tokenizer", None) is not None:
-            dm.tokenizer.save_pretrained(str(self.dirpath))
-        if self.publish_as:
-            from hydra.core.hydra_config import HydraConfig
-
-            from datamodules.common.tiny_models import publish
-
-            hc = HydraConfig.get()
-            publish(self.publish_as, self.dirpath, hc.runtime.choices.get("experiment"), list(hc.overrides.task))
+            dm.tokenizer.save_pretrained(str(dirpath))

@@ -57,6 +57,13 @@ register(TinyModel(
     code=("run.py", "runner.py"),  # plus every `_target_` in the configs (lm.py, text.py, tokenizer, export, ...)
 ))
 
+register(TinyModel(
+    "tiny-moe", "growth_source_tiny",  # the growth paper's source MoE (tiny Mixtral), grown by growth_tiny
+    configs=("conf/run.yaml", "conf/experiment/growth_source_tiny.yaml", "conf/backbone/tiny_mixtral.yaml",
+             "conf/data/corpus.yaml", "conf/model/lm.yaml", "conf/trainer/cpu.yaml", "conf/callbacks/default.yaml"),
+    code=("run.py", "runner.py"),
+))
+
 
 def _module_files(name: str, root: Path) -> list[str]:
     """The project files importing ``name`` runs: its parents' ``__init__``s and the module (none if not ours)."""

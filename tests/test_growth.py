@@ -1,0 +1,298 @@
+"""Growth of MoE checkpoints (lightning_modules/common/growth.py, lightning_modules/growth/): index maps, function
+preservation of width growth (α = 0) and of depth growth with zerofy_output, the KV cache and save/reload of a grown
+model, parameter counts against the formula, the norm seam of stacking, symmetry breaking by the noise, bad input,
+snapshots, and growth_tiny end to end."""
+import copy
+
+import pytest
+import torch
+from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          OlmoeConfig, OlmoeForCausalLM)
+
+from lightning_modules.common.growth import (depth_index_map, expert_order, grow_depth, grow_width,
+                                             layer_norm_profile, parameter_counts)
+from lightning_modules.growth import GrowthModule, chinchilla_flops
+
+V, H, I, L, E, K = 64, 32, 48, 3, 4, 2  # noqa: E741
+
+
+def mixtral(dtype=torch.float64, seed=0, layers=L):
+    torch.manual_seed(seed)
+    cfg = MixtralConfig(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=layers, num_attention_heads=4,
+                        num_key_value_heads=2, num_local_experts=E, num_experts_per_tok=K, bos_token_id=0, eos_token_id=0,
+                        pad_token_id=1, experts_implementation="eager")  # grouped_mm has no fp64
+    model = MixtralForCausalLM(cfg).to(dtype).eval()
+    _spread_router(model)
+    return model
+
+
+def olmoe(seed=0):
+    torch.manual_seed(seed)
+    cfg = OlmoeConfig(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=4, num_experts=E, num_experts_per_tok=K, bos_token_id=0, eos_token_id=0,
+                      pad_token_id=1, experts_implementation="eager")
+    model = OlmoeForCausalLM(cfg).double().eval()
+    _spread_router(model)
+    return model
+
+
+@torch.no_grad()
+def _spread_router(model):
+    """Router rows far apart (a random init's near-ties would make top-k a coin flip at fp rounding level)."""
+    for layer in model.model.layers:
+        layer.mlp.gate.weight.normal_(0, 0.5)
+
+
+def tokens(n=2, t=12, seed=1):
+    return torch.randint(2, V, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def logits(model, x):
+    with torch.no_grad():
+        return model(x, use_cache=False).logits
+
+
+# --- depth: index maps ----------------------------------------------------------------------------------------
+def test_depth_index_maps_interposition_and_stacking_with_ignored_ends():
+    assert depth_index_map(4) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert depth_index_map(4, "stack") == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert depth_index_map(5, ignore_first=1, ignore_last=1) == [0, 1, 1, 2, 2, 3, 3, 4]
+    assert depth_index_map(5, "stack", ignore_first=1, ignore_last=1) == [0, 1, 2, 3, 1, 2, 3, 4]
+    assert depth_index_map(3, factor=3, ignore_last=2) == [0, 0, 0, 1, 2]
+    assert depth_index_map(3, "stack", factor=3, ignore_first=1) == [0, 1, 2, 1, 2, 1, 2]
+    assert expert_order(3) == [0, 1, 2, 0, 1, 2] and expert_order(3, placement="interleave") == [0, 0, 1, 1, 2, 2]
+
+
+def test_copied_layers_land_where_the_map_says_and_layer_idx_is_renumbered():
+    src = mixtral()
+    src.config.layer_types = [f"type{i}" for i in range(L)]  # as hybrid models (sliding/full) carry
+    for method, expected in (("interposition", [0, 0, 1, 1, 2, 2]), ("stack", [0, 1, 2, 0, 1, 2])):
+        g = copy.deepcopy(src)
+        assert grow_depth(g, method) == expected
+        assert g.config.num_hidden_layers == 6 and len(g.model.layers) == 6
+        assert g.config.layer_types == [f"type{i}" for i in expected]
+        for i, s in enumerate(expected):
+            torch.testing.assert_close(g.model.layers[i].self_attn.q_proj.weight, src.model.layers[s].self_attn.q_proj.weight,
+                                       rtol=0, atol=0)
+            assert g.model.layers[i].self_attn.layer_idx == i
+        assert g.model.layers[0] is not g.model.layers[expected.index(0, 1)]  # a copy, not a shared module
+
+
+# --- function preservation ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("build", [mixtral, olmoe], ids=["mixtral-renormalised", "olmoe-not-renormalised"])
+@pytest.mark.parametrize("placement", ["append", "interleave"])
+def test_width_growth_at_alpha_zero_preserves_the_logits_and_moves_them_by_order_alpha(build, placement):
+    src = build()
+    x = tokens()
+    ref = logits(src, x)
+    g = copy.deepcopy(src)
+    grow_width(g, alpha=0.0, placement=placement)
+    assert g.model.layers[0].mlp.gate.top_k == 2 * K and g.config.num_experts_per_tok == 2 * K
+    assert g.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 2 * E
+    # exact in fp64 up to the router's softmax, which transformers computes in fp32
+    torch.testing.assert_close(logits(g, x), ref, rtol=0, atol=1e-6)
+    moved = []
+    for alpha in (1e-2, 1e-3):
+        g = copy.deepcopy(src)
+        grow_width(g, alpha=alpha, placement=placement)
+        moved.append((logits(g, x) - ref).abs().max().item())
+    assert moved[0] > 1e-5                     # not preserved with noise
+    assert 4 < moved[0] / moved[1] < 25        # linear in alpha: O(alpha)
+
+
+def test_depth_growth_preserves_the_logits_with_zerofy_output_only():
+    src = mixtral()
+    x = tokens()
+    ref = logits(src, x)
+    for method in ("interposition", "stack"):
+        g = copy.deepcopy(src)
+        grow_depth(g, method, zerofy_output=True)
+        torch.testing.assert_close(logits(g, x), ref, rtol=0, atol=1e-12)
+        g = copy.deepcopy(src)
+        grow_depth(g, method)
+        assert (logits(g, x) - ref).abs().max() > 1e-3  # a pre-LN block applied twice is another function
+
+
+def test_noise_is_per_expert_sigma_and_only_on_the_copies():
+    src = mixtral()
+    g = copy.deepcopy(src)
+    grow_width(g, alpha=0.5, sigma_over="expert", seed=3)
+    w, w0 = g.model.layers[0].mlp.experts.gate_up_proj, src.model.layers[0].mlp.experts.gate_up_proj
+    torch.testing.assert_close(w[:E], w0, rtol=0, atol=0)  # originals untouched
+    for e in range(E):
+        for half in (slice(0, I), slice(I, 2 * I)):  # gate and up matrices, as a per-expert layout stores them
+            noise_std = (w[E + e, half] - w0[e, half]).std()
+            assert abs(noise_std / (0.5 * w0[e, half].std()) - 1) < 0.1
+
+
+# --- the grown model as a transformers model --------------------------------------------------------------------
+def test_grown_model_generates_with_cache_as_without_and_survives_save_and_reload(tmp_path):
+    g = mixtral(torch.float32)
+    grow_depth(g)
+    grow_width(g, alpha=0.01)
+    x = tokens(1, 6)
+    g.generation_config.eos_token_id = None  # always 8 new tokens
+    with torch.no_grad():
+        cached = g.generate(x, max_new_tokens=8, do_sample=False, use_cache=True, pad_token_id=1)
+        seq = x
+        for _ in range(8):  # greedy without a cache: the full forward each step
+            seq = torch.cat([seq, logits(g, seq)[:, -1:].argmax(-1)], dim=1)
+    assert torch.equal(cached, seq)
+    g.save_pretrained(tmp_path)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert (back.config.num_hidden_layers, back.config.num_local_experts, back.config.num_experts_per_tok) == (2 * L, 2 * E, 2 * K)
+    torch.testing.assert_close(logits(back, x), logits(g, x))
+
+
+def test_parameter_counts_after_growth_match_the_formula():
+    src = mixtral(torch.float32)
+    kv = 2 * (H // 4)  # two KV heads of head_dim H/4
+    attn = H * H + 2 * H * kv + H * H
+    per_layer = lambda experts: attn + 2 * H + experts * H + experts * 3 * I * H  # noqa: E731  norms, router, experts
+    rest = 2 * V * H + H  # embeddings, untied head, final norm
+    assert parameter_counts(src) == {"total": rest + L * per_layer(E), "active": rest + L * (per_layer(E) - (E - K) * 3 * I * H)}
+    g = copy.deepcopy(src)
+    grow_depth(g, ignore_first=1)
+    grow_width(g)
+    layers = 2 * L - 1
+    counts = parameter_counts(g)
+    assert counts["total"] == rest + layers * per_layer(2 * E) == sum(p.numel() for p in g.parameters())
+    assert counts["active"] == rest + layers * (per_layer(2 * E) - (2 * E - 2 * K) * 3 * I * H)
+    assert chinchilla_flops(counts["active"]) == 120 * counts["active"] ** 2
+
+
+def test_stacking_makes_a_norm_seam_and_interposition_does_not():
+    src = mixtral(torch.float32, layers=6)
+    planted = [0.02 * (1 + 0.2 * i) for i in range(6)]  # norms growing with depth by construction
+    with torch.no_grad():
+        for layer, target, now in zip(src.model.layers, planted, layer_norm_profile(src)):
+            for p in layer.parameters():
+                if p.dim() >= 2:
+                    p.mul_(target / now)
+    torch.testing.assert_close(layer_norm_profile(src), planted)
+    step = 0.02 * 0.2
+    for method in ("interposition", "stack"):
+        g = copy.deepcopy(src)
+        grow_depth(g, method)
+        jumps = torch.tensor(layer_norm_profile(g)).diff()
+        if method == "interposition":
+            assert jumps.abs().max() <= step * (1 + 1e-4) and (jumps >= -1e-7).all()  # smooth, still monotone
+        else:
+            assert jumps[5] < -4.9 * step and jumps.abs().argmax() == 5  # the cliff, at the seam l6 -> l1
+
+
+# --- symmetry breaking -------------------------------------------------------------------------------------------
+def _train(model, steps=3, lr=0.5):
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for s in range(steps):
+        x = tokens(4, 12, seed=10 + s)
+        model(x, labels=x).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.01])
+def test_duplicated_experts_stay_identical_under_sgd_only_without_noise(alpha):
+    g = mixtral()
+    grow_width(g, alpha=alpha)
+    blk = g.model.layers[1].mlp
+    before = blk.experts.gate_up_proj.detach().clone()
+    pair_gap = lambda w: (w[:E] - w[E:]).abs().max().item()  # noqa: E731
+    gap0 = pair_gap(blk.experts.gate_up_proj)
+    _train(g)
+    assert not torch.equal(blk.experts.gate_up_proj, before)  # trained
+    if alpha == 0:
+        for w in (blk.experts.gate_up_proj, blk.experts.down_proj, blk.gate.weight):  # equal up to fp64 round-off
+            assert pair_gap(w) < 1e-12
+    else:  # different gradients: the gap itself moves
+        delta = blk.experts.gate_up_proj.detach() - before
+        assert (delta[:E] - delta[E:]).abs().max() > 1e-4 * gap0
+
+
+# --- bad input ------------------------------------------------------------------------------------------------
+def test_bad_input_is_one_line_naming_the_fix():
+    dense = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=I, num_hidden_layers=2,
+                                         num_attention_heads=4))
+    with pytest.raises(ValueError, match=r"width growth needs an MoE .*growth.width.enabled=false"):
+        grow_width(dense)
+    with pytest.raises(ValueError, match=r"ignore_first \+ ignore_last = 2 \+ 1 leaves none of the 3 layers"):
+        grow_depth(mixtral(), ignore_first=2, ignore_last=1)
+    for bad in (1, 1.5):
+        with pytest.raises(ValueError, match=r"model.growth.depth.factor=.*use an integer >= 2"):
+            depth_index_map(4, factor=bad)
+    spec = {"family": "mixtral", "pretrained": None, "config": {"num_hidden_layers": 4, "num_local_experts": 4}}
+    on = {"enabled": True}
+    with pytest.raises(ValueError, match=r"model.growth.source is missing: set backbone.pretrained="):
+        GrowthModule(spec, {"source": None, "depth": on, "width": on})
+    with pytest.raises(ValueError, match=r"model.growth.width.factor=3.0: use an integer >= 2"):
+        GrowthModule(spec, {"source": "x", "depth": on, "width": {"enabled": True, "factor": 3.0}})
+    with pytest.raises(ValueError, match=r"leaves none of the 4 layers to copy"):
+        GrowthModule(spec, {"source": "x", "depth": {"enabled": True, "ignore_first": 4}})
+    with pytest.raises(ValueError, match=r"width growth needs an MoE source"):
+        GrowthModule({"family": "llama", "config": {"num_hidden_layers": 4}}, {"source": "x", "width": on})
+
+
+# --- end to end ---------------------------------------------------------------------------------------------------
+def test_snapshots_at_steps_are_written_during_training(tmp_path):
+    from safetensors.torch import load_file
+
+    from tests.helpers import run_experiment
+
+    run_experiment("growth_source_tiny", tmp_path, ["debug=smoke", "trainer.max_steps=4", "callbacks.export.at_steps=[0,2]"])
+    w = {s: load_file(tmp_path / f"hf_model_step{s}" / "model.safetensors") for s in (0, 2)}
+    final = load_file(tmp_path / "hf_model" / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(w[0][name], w[2][name]) and not torch.equal(w[2][name], final[name])
+    assert not (tmp_path / "hf_model_step4").exists()
+
+
+def test_growth_tiny_grows_tiny_moe_and_trains(tmp_path, tiny_models):
+    from tests.helpers import run_experiment
+
+    # debug=smoke shortens training; the sequence length is this test's only other shrink
+    value, metrics = run_experiment("growth_tiny", tmp_path, ["debug=smoke", "data.seq_len=64"])
+    p = metrics["parameters"]
+    src = AutoModelForCausalLM.from_pretrained(tiny_models["tiny-moe"])
+    counts = parameter_counts(src)
+    assert (p["growth/source_total"], p["growth/source_active"]) == (counts["total"], counts["active"])
+    grown = copy.deepcopy(src)
+    grow_depth(grown)
+    grow_width(grown)
+    assert p["params/total"] == parameter_counts(grown)["total"] and p["growth/active"] == parameter_counts(grown)["active"]
+    assert p["growth/flops"] == 6 * p["growth/active"] * 20 * 8 * 64  # 20 steps x batch 8 x 64 tokens
+    r = metrics["results"]  # depth first (interposition), then width (appended copies)
+    assert r["depth_index"] == [0, 0, 1, 1, 2, 2, 3, 3] and r["expert_order"] == [0, 1, 2, 3] * 2
+    assert len(r["norm_profile_source"]) == 4 and len(r["norm_profile_grown"]) == 8
+    assert value == metrics["best"]["value"] and value < 8  # ln(2048) = 7.6 is a uniform guess
+
+
+# --- configs ------------------------------------------------------------------------------------------------------
+def test_scratch_baselines_have_the_grown_shape():
+    from omegaconf import OmegaConf
+
+    from lightning_modules.common.backbone import build_backbone
+    from tests.helpers import compose
+
+    for grown_exp, scratch_exp in (("growth_tiny", "growth_scratch_tiny"),
+                                   ("growth_olmoe_depth_width", "growth_olmoe_scratch")):
+        grown_cfg, scratch_cfg = compose(grown_exp), compose(scratch_exp)
+        spec = OmegaConf.to_container(grown_cfg.backbone, resolve=True)
+        model = build_backbone({**spec, "pretrained": None}, meta=True)  # the source's recorded shape
+        g = grown_cfg.model.growth
+        grow_depth(model, **{k: v for k, v in g.depth.items() if k != "enabled"})
+        grow_width(model, **{k: v for k, v in g.width.items() if k != "enabled"})
+        scratch = build_backbone(OmegaConf.to_container(scratch_cfg.backbone, resolve=True), meta=True)
+        assert parameter_counts(scratch) == parameter_counts(model), scratch_exp
+        assert scratch_cfg.trainer.max_steps == grown_cfg.trainer.max_steps  # same extra tokens
+        assert "growth" not in scratch_cfg.model
+
+
+def test_sunk_cost_sweep_grows_each_revision():
+    from tests.helpers import compose
+
+    cfg = compose("growth_olmoe_depth_width", ["+sweep=growth_sunk_cost"])
+    sources = [s.strip() for s in cfg.hydra.sweeper.params["backbone.pretrained"].split(",")]
+    assert len(sources) == 4 and sources[-1].endswith("OLMoE-1B-7B-0924")
+    job = compose("growth_olmoe_depth_width", ["+sweep=growth_sunk_cost", f"backbone.pretrained={sources[0]}"])
+    assert job.model.growth.source == sources[0] and job.model.growth.source_tokens is None
