@@ -129,3 +129,115 @@ def test_bad_window_and_backbone_fail_with_one_line():
         MixedAttention(2, 2, window="tile")
     with pytest.raises(ValueError, match="q_proj/k_proj/v_proj/o_proj"):
         MixedAttention.for_model(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+# --- allocation and the head-wise press -------------------------------------------------------------------------
+from lightning_modules.rlkv.press import HeadMixedPress, allocate  # noqa: E402
+
+
+@pytest.mark.parametrize("s", [0.0, 0.2, 0.25, 0.5, 0.6, 1.0])
+def test_allocation_compresses_exactly_round_s_LH_heads_globally(s):
+    g = torch.Generator().manual_seed(0)
+    gates = torch.rand(4, 6, generator=g)
+    stream = allocate(gates, s)
+    k = round(s * 24)
+    assert int(stream.sum()) == k
+    if 0 < k < 24:
+        assert gates[stream].max() < gates[~stream].min()
+    # gates low in one layer: every pick lands there (global, not per layer)
+    low = gates.clone()
+    low[2] = low[2] * 0.01
+    assert allocate(low, 0.25)[2].all() and int(allocate(low, 0.25).sum()) == 6
+
+
+def greedy_decode(model, press, ids, mask, steps, on_step=None):
+    """Prefill ``ids`` under ``press`` then decode greedily one token at a time; returns tokens and step logits."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    toks, logits = [], []
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    with press(model) if press is not None else torch.no_grad(), torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits[:, -1]
+        for _ in range(steps):
+            logits.append(out)
+            tok = out.argmax(-1, keepdim=True)
+            toks.append(tok)
+            mask = torch.cat([mask, torch.ones_like(tok)], 1)
+            pos = pos[:, -1:] + 1
+            out = model(input_ids=tok, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits[:, -1]
+            if on_step is not None:
+                on_step(cache)
+    return torch.cat(toks, 1), torch.stack(logits, 1)
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(2, 61, (2, 20), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :5], ids[1, :5] = 0, 0  # a left-padded row
+    return ids, mask
+
+
+GATES = [[0.9, 0.1], [0.3, 0.8]]
+
+
+@pytest.mark.parametrize("storage", ["masked", "split"])
+def test_streaming_heads_hold_sink_plus_recent_full_heads_grow_by_one(prompt, storage):
+    model = tiny_llama(torch.float32)
+    press = HeadMixedPress(gates=GATES, sparsity=0.5, sink=2, recent=4, storage=storage)
+    ids, mask = prompt
+    seen = []
+    greedy_decode(model, press, ids, mask, 6, on_step=lambda c: seen.append(HeadMixedPress.kv_entries(model, c)))
+    stream = allocate(torch.tensor(GATES), 0.5)
+    for t, entries in enumerate(seen, start=1):
+        for layer, n in enumerate(entries):
+            assert n[stream[layer]].eq(6).all(), (t, layer, n)
+            assert n[~stream[layer]].eq(20 + t).all(), (t, layer, n)
+
+
+def test_split_equals_masked_and_s0_equals_no_press(prompt):
+    model = tiny_llama(torch.float32)
+    ids, mask = prompt
+    ref_toks, ref_logits = greedy_decode(model, None, ids, mask, 10)
+    toks0, _ = greedy_decode(model, HeadMixedPress(gates=GATES, sparsity=0.0, sink=2, recent=4), ids, mask, 10)
+    assert torch.equal(toks0, ref_toks)
+    m_toks, m_logits = greedy_decode(model, HeadMixedPress(gates=GATES, sparsity=0.75, sink=2, recent=4), ids, mask, 10)
+    s_toks, s_logits = greedy_decode(model, HeadMixedPress(gates=GATES, sparsity=0.75, sink=2, recent=4,
+                                                           storage="split"), ids, mask, 10)
+    assert torch.equal(m_toks, s_toks)
+    torch.testing.assert_close(s_logits, m_logits, rtol=0, atol=1e-5)
+    assert (m_logits - ref_logits).abs().max() > 1e-3  # the window changes what streaming heads see
+
+
+def test_all_streaming_decoding_equals_a_physically_truncated_cache(prompt):
+    """Planted reference: every head streams -> the same as cutting each layer's cache to sink + recent by hand."""
+    from transformers import DynamicCache
+
+    model = tiny_llama(torch.float64)
+    ids = prompt[0][:1]
+    mask = torch.ones_like(ids)
+    toks, logits = greedy_decode(model, HeadMixedPress(sparsity=0.0, sink=2, recent=4, source="all_streaming"),
+                                 ids, mask, 5)
+    cache = DynamicCache(config=model.config)
+    ref = []
+    with torch.no_grad():
+        out = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]
+        for t in range(5):
+            ref.append(out)
+            for layer in cache.layers:  # keep sink + recent, then attend with the new token
+                keep = list(range(2)) + list(range(layer.keys.shape[-2] - 4, layer.keys.shape[-2]))
+                layer.keys, layer.values = layer.keys[:, :, keep], layer.values[:, :, keep]
+            out = model(input_ids=toks[:, t:t + 1], cache=cache, use_cache=True,
+                        position_ids=torch.tensor([[20 + t]])).logits[:, -1]
+    torch.testing.assert_close(logits, torch.stack(ref, 1), rtol=0, atol=1e-10)
+
+
+def test_press_bad_input():
+    with pytest.raises(ValueError, match="needs gates"):
+        HeadMixedPress(sparsity=0.5)
+    with pytest.raises(ValueError, match="sparsity"):
+        HeadMixedPress(gates=GATES, sparsity=1.5)
+    with pytest.raises(ValueError, match="empty window"):
+        HeadMixedPress(gates=GATES, recent=0)
