@@ -316,3 +316,34 @@ def test_rlkv_tiny_smoke(tmp_path, tiny_lm_dir):
     assert gates.shape == (4, 2) and 0 <= float(gates.min()) and float(gates.max()) <= 1
     assert float(gates.min()) < 0.99  # gates moved
     assert 0 < results["self_filter"]["kept"] <= 16
+
+
+def test_duo_distillation_is_zero_at_gates_one_and_positive_below():
+    from lightning_modules.rlkv.duo import DuoAttentionModule
+
+    m = DuoAttentionModule(backbone={"family": "llama"}, sink=2, recent=4)
+    m.model = m.install_gates(tiny_llama(), m.window)
+    m.mixed.double()
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(2, 61, (2, 24), generator=g)
+    sup = torch.zeros_like(ids, dtype=torch.bool)
+    sup[:, -5:] = True
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "supervise": sup}
+    assert float(m.distill_loss(batch)) < 1e-20
+    with torch.no_grad():
+        m.mixed.gates.zero_()
+    loss = m.distill_loss(batch)
+    loss.backward()
+    assert float(loss) > 1e-8 and m.mixed.gates.grad.abs().sum() > 0
+    assert all(not p.requires_grad for p in m.model.parameters())
+
+
+def test_duoattn_tiny_smoke(tmp_path, tiny_lm_dir):
+    """debug=smoke (20 steps); data.n_train/n_val shrink the generated passkey sets, which smoke does not."""
+    from tests.helpers import run_experiment
+
+    value, metrics = run_experiment("duoattn_tiny", tmp_path, overrides=("debug=smoke", "data.n_train=80",
+                                                                         "data.n_val=4"))
+    gates = torch.tensor(metrics["results"]["gates"])
+    assert metrics["status"] == "ok" and gates.shape == (4, 2)
+    assert 0 <= float(gates.min()) < 0.99 and float(gates.max()) <= 1 and math.isfinite(value)
