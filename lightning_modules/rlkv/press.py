@@ -163,6 +163,11 @@ class HeadMixedPress(Press):
                                  "heads: use gates trained on this backbone")
         return allocate(g, self.sparsity)
 
+    def check(self) -> None:
+        """Fail on a missing gates file before the model loads (called by the evaluation module's setup)."""
+        if self.source in ("rlkv", "duo"):
+            load_gates(self.gates)
+
     def _streaming(self, module, n_heads: int) -> torch.Tensor:
         if self.streaming is None:
             cfg = module.config
