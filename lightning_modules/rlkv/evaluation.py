@@ -19,8 +19,9 @@ from lightning_modules.common.rl.module import RLModule
 from lightning_modules.common.rl.rollouts import left_pad
 
 
-def kv_entries(model, cache) -> tuple[int, int]:
-    """(entries attention can still see, entries of the full cache), over layers, heads and batch rows."""
+def kv_entries(model, cache, length: int) -> tuple[int, int]:
+    """(entries attention can still see, entries an uncompressed cache of ``length`` tokens would hold), over layers,
+    heads and batch rows."""
     from lightning_modules.rlkv.press import HeadSplitLayer
 
     kept = full = 0
@@ -28,18 +29,20 @@ def kv_entries(model, cache) -> tuple[int, int]:
         if isinstance(layer, HeadSplitLayer):
             B = layer.keys.shape[0]
             kept += int(layer.keys.shape[1] * layer.keys.shape[-2] * B + layer.valid.sum() * len(layer.stream_idx))
-            full += layer.n_heads * layer.length * B
+            full += layer.n_heads * length * B
             continue
         B, H, K, _ = layer.keys.shape
         evicted = getattr(module, "press_evicted", None)
         kept += B * H * K - (int(evicted[..., :K].sum()) if evicted is not None else 0)
-        full += B * H * K
+        full += B * H * length
     return kept, full
 
 
 @torch.no_grad()
 def press_generate(model, press: Press | None, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None,
-                   pad_id: int) -> dict[str, Any]:
+                   pad_id: int, targets: torch.Tensor | None = None) -> dict[str, Any]:
+    """``targets`` (B, T): feed these tokens instead of the argmax (teacher forcing through the pressed cache) and
+    also return their mean log-likelihood per real token (``nll``)."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
@@ -47,14 +50,18 @@ def press_generate(model, press: Press | None, prompts: list[list[int]], max_new
     pos = (mask.cumsum(-1) - 1).clamp_min(0)
     cache = DynamicCache(config=model.config)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    out = []
+    out, nll, n_real = [], 0.0, 0
     with press(model) if press is not None else contextlib.nullcontext():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
                        logits_to_keep=1).logits[:, -1]
         t0, steps = time.perf_counter(), 0
-        for _ in range(max_new_tokens):
-            tok = logits.argmax(-1)
+        for t in range(max_new_tokens if targets is None else targets.shape[1]):
+            tok = logits.argmax(-1) if targets is None else targets[:, t].to(device)
             tok = torch.where(done, torch.full_like(tok, pad_id), tok)
+            if targets is not None:
+                lp = logits.float().log_softmax(-1).gather(-1, tok[:, None])[:, 0]
+                nll -= float(lp[~done].sum())
+                n_real += int((~done).sum())
             out.append(tok)
             done |= tok == eos_id if eos_id is not None else torch.zeros_like(done)
             if bool(done.all()):
@@ -65,11 +72,11 @@ def press_generate(model, press: Press | None, prompts: list[list[int]], max_new
                            use_cache=True).logits[:, -1]
             steps += 1
         decode_s = time.perf_counter() - t0
-        kept, full = kv_entries(model, cache)
+        kept, full = kv_entries(model, cache, mask.shape[1])
     tokens = torch.stack(out, 1) if out else ids.new_zeros(len(prompts), 0)
     completions = [[t for t in row.tolist() if t not in (pad_id, eos_id)] for row in tokens]
-    return {"completions": completions, "decode_s_per_token": decode_s / max(1, steps),
-            "kv_kept_fraction": kept / max(1, full)}
+    return {"completions": completions, "tokens": tokens, "decode_s_per_token": decode_s / max(1, steps),
+            "kv_kept_fraction": kept / max(1, full), "nll": nll / max(1, n_real)}
 
 
 class RLKVEvalModule(RLModule):
