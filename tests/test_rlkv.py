@@ -129,6 +129,13 @@ def test_bad_window_and_backbone_fail_with_one_line():
         MixedAttention(2, 2, window="tile")
     with pytest.raises(ValueError, match="q_proj/k_proj/v_proj/o_proj"):
         MixedAttention.for_model(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    from lightning_modules.rlkv.mixed_attention import check_backbone
+
+    gpt2 = {"family": "gpt2", "config": {"vocab_size": 64, "n_embd": 32, "n_layer": 2, "n_head": 2}}
+    with pytest.raises(ValueError, match="backbone.family=gpt2.*choose such a backbone"):
+        check_backbone(gpt2)  # on the meta device: nothing is loaded
+    check_backbone({"family": "llama", "config": {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+                                                  "num_hidden_layers": 1, "num_attention_heads": 2}})
 
 
 # --- allocation and the head-wise press -------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from lightning_modules.common.attention import attention_enabled
 from lightning_modules.common.lm import CausalLMModule
-from lightning_modules.rlkv.mixed_attention import check_window
+from lightning_modules.rlkv.mixed_attention import check_backbone, check_window
 from lightning_modules.rlkv.module import GatedModelMixin
 
 
@@ -26,6 +26,9 @@ class DuoAttentionModule(GatedModelMixin, CausalLMModule):
         self.reg_weight = reg_weight
         self.mixed = None
         self.results: dict = {}
+
+    def setup(self, stage: str) -> None:
+        check_backbone(self.backbone_spec)
 
     def build_model(self):
         return self.install_gates(super().build_model(), self.window)

@@ -28,6 +28,17 @@ def check_window(sink: int, recent: int, window: str = "token", block: int = 128
                          ">= 1, sink >= 0 (e.g. sink 128 + recent 256 in training, 16 + 64 at inference)")
 
 
+def check_backbone(spec) -> None:
+    """The gates patch q/k/v/o projections: checked on the meta device, before any weight loads."""
+    from lightning_modules.common.backbone import build_backbone
+
+    try:
+        attention_modules(build_backbone(spec, meta=True))
+    except ValueError:
+        raise ValueError(f"backbone.family={spec.get('family')}: the gates need attention layers with q_proj/k_proj/"
+                         "v_proj/o_proj; choose such a backbone (llama, qwen2, qwen3, mistral)") from None
+
+
 def allowed_keys(attention_mask: torch.Tensor | None, q_len: int, k_len: int, device) -> torch.Tensor:
     """Bool (B|1, 1, q, K): which keys each query may see, from a bool or additive mask (None: causal, the queries
     being the last ``q_len`` keys). A query that may see nothing (a padding row) sees itself, so nothing is NaN."""

@@ -24,7 +24,7 @@ import torch
 
 from lightning_modules.common.rl.module import RLModule
 from lightning_modules.common.rl.rollouts import Rollouts, generate_rollouts
-from lightning_modules.rlkv.mixed_attention import MixedAttention, check_window
+from lightning_modules.rlkv.mixed_attention import MixedAttention, check_backbone, check_window
 
 
 def sparsity_penalty(gates: torch.Tensor, mean_reward: float, scale: float, tau: float) -> torch.Tensor:
@@ -72,6 +72,10 @@ class RLKVModule(GatedModelMixin, RLModule):
         self.mixed = None
         self.results: dict = {}
         self._raw_mean = 0.0
+
+    def setup(self, stage: str) -> None:
+        check_backbone(self.backbone_spec)
+        super().setup(stage)
 
     def build_model(self):
         return self.install_gates(super().build_model(), self.window)
