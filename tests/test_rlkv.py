@@ -354,3 +354,22 @@ def test_duoattn_tiny_smoke(tmp_path, tiny_lm_dir):
     gates = torch.tensor(metrics["results"]["gates"])
     assert metrics["status"] == "ok" and gates.shape == (4, 2)
     assert 0 <= float(gates.min()) < 0.99 and float(gates.max()) <= 1 and math.isfinite(value)
+
+
+def test_press_generate_is_greedy_generate_and_counts_the_kept_cache(prompt):
+    """The benchmark's decoder: no press = transformers' greedy generate (left padding included); every head
+    streaming keeps (sink + recent) / cache length of the entries."""
+    from lightning_modules.rlkv.evaluation import press_generate
+
+    model = tiny_llama(torch.float64)
+    ids, mask = prompt
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                             eos_token_id=None)[:, ids.shape[1]:]
+    out = press_generate(model, None, prompts, 6, eos_id=None, pad_id=0)
+    assert torch.equal(out["tokens"], ref) and out["kv_kept_fraction"] == 1.0
+    one = press_generate(model, HeadMixedPress(source="all_streaming", sink=2, recent=4), prompts[:1], 6, None, 0)
+    assert one["kv_kept_fraction"] == pytest.approx(6 / (20 + 5))  # 20 prompt + 5 fed tokens in the cache
+    forced = press_generate(model, None, prompts, 6, None, 0, targets=ref)
+    assert torch.equal(forced["tokens"], ref) and forced["nll"] > 0

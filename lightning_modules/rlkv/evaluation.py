@@ -55,7 +55,8 @@ def press_generate(model, press: Press | None, prompts: list[list[int]], max_new
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
                        logits_to_keep=1).logits[:, -1]
         t0, steps = time.perf_counter(), 0
-        for t in range(max_new_tokens if targets is None else targets.shape[1]):
+        n_new = max_new_tokens if targets is None else targets.shape[1]
+        for t in range(n_new):
             tok = logits.argmax(-1) if targets is None else targets[:, t].to(device)
             tok = torch.where(done, torch.full_like(tok, pad_id), tok)
             if targets is not None:
@@ -64,7 +65,7 @@ def press_generate(model, press: Press | None, prompts: list[list[int]], max_new
                 n_real += int((~done).sum())
             out.append(tok)
             done |= tok == eos_id if eos_id is not None else torch.zeros_like(done)
-            if bool(done.all()):
+            if bool(done.all()) or t == n_new - 1:  # the last token is never fed back
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
             pos = pos[:, -1:] + 1
