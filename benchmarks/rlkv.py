@@ -6,7 +6,8 @@ per seed: ``rlkv_tiny`` (the RL probe, ``--rl-steps``) and ``duoattn_tiny`` (Duo
 model cannot solve unseen 1-digit pairs, so retention is measured where the full model is right), greedy decoding
 under HeadMixedPress (sink 4 + recent 8, the training window, since prompts are ~30 tokens) at each sparsity s,
 for the RLKV and Duo gates, random gates (``--random-draws``), all heads streaming, and StreamingLLM / SnapKV token
-dropping at the matched budget (compression ratio s (1 - W / L̄), L̄ the mean prompt length). Decode time per token:
+dropping at the matched budget (they compress the prompt once, so their ratio is solved for the same KV kept at the
+end as RLKV's). Decode time per token:
 full cache vs ``storage=split`` at s = 0.5.
 
 Planted check: stream one head at a time (the others full) and measure the increase of the full model's greedy
@@ -117,14 +118,21 @@ def main(argv=None) -> dict:
     prompts = [tok(PROMPT.format(q=p["question"]), add_special_tokens=False)["input_ids"] for p in problems]
     mean_len = sum(map(len, prompts)) / len(prompts)
 
-    def evaluate(press, targets=None):
-        g = press_generate(model, press, prompts, args.max_new, tok.eos_token_id, tok.pad_token_id, targets)
+    def evaluate(press, targets=None, one_by_one=False):
+        """One left-padded batch; ``one_by_one`` for token-dropping presses, which score padded columns too."""
+        if one_by_one:
+            parts = [press_generate(model, press, [p], args.max_new, tok.eos_token_id, tok.pad_token_id) for p in prompts]
+            g = {"completions": [c for q in parts for c in q["completions"]],
+                 **{k: sum(q[k] for q in parts) / len(parts) for k in ("kv_kept_fraction", "decode_s_per_token")}}
+        else:
+            g = press_generate(model, press, prompts, args.max_new, tok.eos_token_id, tok.pad_token_id, targets)
         texts = tok.batch_decode(g["completions"], skip_special_tokens=True)
         g["accuracy"] = sum(exact_match_reward(c, p["answer"]) for c, p in zip(texts, problems)) / len(problems)
         return g
 
     full = evaluate(None)
     full_tokens = full["tokens"]
+    mean_new = sum(map(len, full["completions"])) / len(problems)
     print(f"full KV: accuracy {full['accuracy']:.3f} on {len(problems)} train-split prompts (mean length {mean_len:.1f})")
     head = lambda source, s, g=None, seed=0, **kw: HeadMixedPress(gates=g, sparsity=s, sink=SINK, recent=RECENT,  # noqa: E731
                                                                   source=source, seed=seed, **kw)
@@ -134,9 +142,11 @@ def main(argv=None) -> dict:
         for name in ("rlkv", "duo"):
             row[name] = [evaluate(head(name, s, g.tolist())) for g in gates[name]]
         row["random"] = [evaluate(head("random", s, seed=d)) for d in range(args.random_draws)]
-        ratio = s * (1 - (SINK + RECENT) / mean_len)
-        row["streamingllm"] = [evaluate(StreamingLLM(compression_ratio=ratio, n_sink=SINK))]
-        row["snapkv"] = [evaluate(SnapKV(compression_ratio=ratio, window_size=RECENT))]
+        # matched budget: prefill-only dropping keeps P(1 - r) + T of P + T entries; solve for RLKV's kept fraction
+        kept = sum(r["kv_kept_fraction"] for r in row["rlkv"]) / len(row["rlkv"])
+        ratio = min(1 - (SINK + 1) / min(map(len, prompts)), (1 - kept) * (mean_len + mean_new) / mean_len)
+        row["streamingllm"] = [evaluate(StreamingLLM(compression_ratio=ratio, n_sink=SINK), one_by_one=True)]
+        row["snapkv"] = [evaluate(SnapKV(compression_ratio=ratio, window_size=RECENT), one_by_one=True)]
         table[s] = {k: {"accuracy": [r["accuracy"] for r in v], "kv_kept": [r["kv_kept_fraction"] for r in v]}
                     for k, v in row.items()}
     streaming_all = evaluate(head("all_streaming", 1.0))
