@@ -373,3 +373,15 @@ def test_press_generate_is_greedy_generate_and_counts_the_kept_cache(prompt):
     assert one["kv_kept_fraction"] == pytest.approx(6 / (20 + 5))  # 20 prompt + 5 fed tokens in the cache
     forced = press_generate(model, None, prompts, 6, None, 0, targets=ref)
     assert torch.equal(forced["tokens"], ref) and forced["nll"] > 0
+
+
+def test_masks_in_every_form_give_the_same_keys():
+    """bool (sdpa), additive (eager) and 2-D padding (flash) masks of one left-padded batch agree."""
+    pad = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    as_bool = pad[:, None, None, :].bool() & causal
+    additive = torch.zeros(as_bool.shape).masked_fill(~as_bool, torch.finfo(torch.float32).min)
+    ref = allowed_keys(as_bool, 6, 6, "cpu")
+    assert torch.equal(allowed_keys(additive, 6, 6, "cpu"), ref) and torch.equal(allowed_keys(pad, 6, 6, "cpu"), ref)
+    # padding queries see only themselves; real ones their real causal past
+    assert ref[0, 0, 0].nonzero().flatten().tolist() == [0] and ref[0, 0, 4].nonzero().flatten().tolist() == [2, 3, 4]

@@ -40,13 +40,14 @@ def check_backbone(spec) -> None:
 
 
 def allowed_keys(attention_mask: torch.Tensor | None, q_len: int, k_len: int, device) -> torch.Tensor:
-    """Bool (B|1, 1, q, K): which keys each query may see, from a bool or additive mask (None: causal, the queries
-    being the last ``q_len`` keys). A query that may see nothing (a padding row) sees itself, so nothing is NaN."""
+    """Bool (B|1, 1, q, K): which keys each query may see, from a 4-D bool or additive mask, or a 2-D padding mask
+    (flash attention's), None: causal, the queries being the last ``q_len`` keys. A query that may see nothing (a
+    padding row) sees itself, so nothing is NaN."""
     ones = torch.ones(q_len, k_len, dtype=torch.bool, device=device)
     causal = ones.tril(k_len - q_len)[None, None]
     if attention_mask is None:
         return causal
-    am = attention_mask[..., -q_len:, :k_len]
+    am = attention_mask[:, None, None, :k_len].bool() if attention_mask.dim() == 2 else attention_mask[..., -q_len:, :k_len]
     allowed = (am if am.dtype == torch.bool else am == 0) & causal
     diagonal = causal & ~ones.tril(k_len - q_len - 1)
     return allowed | (diagonal & ~allowed.any(-1, keepdim=True))
@@ -54,7 +55,7 @@ def allowed_keys(attention_mask: torch.Tensor | None, q_len: int, k_len: int, de
 
 def streaming_keys(allowed: torch.Tensor, sink: int, recent: int, window: str = "token", block: int = 128) -> torch.Tensor:
     """The sink + recent subset of ``allowed``: key rank r_k and query rank r_q (= the count of keys it sees - 1)."""
-    count = allowed.long().cumsum(-1)
+    count = allowed.int().cumsum(-1, dtype=torch.int32)
     r_k, r_q = count - 1, count[..., -1:] - 1
     if window == "block":
         r_k, r_q = r_k // block, r_q // block
