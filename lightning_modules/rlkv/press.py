@@ -12,7 +12,8 @@ latest ``recent`` entries, counted from a row's first real token, and the token 
   ``masked_attention`` (``module.press_evicted``, rewritten after every decoding step by ``on_decode``).
 - ``storage: split``: the streaming heads' entries move into a constant-size buffer (``HeadSplitLayer`` replaces the
   layer's cache): the real memory saving. Attention sees the buffer right-aligned beside the full heads' entries,
-  the columns in front of it masked, so both storages give the same logits.
+  the columns in front of it masked, so both storages give the same logits. (``kv_press.prefill_and_answer``'s
+  cache save/restore knows only plain layers: use ``masked`` there, ``split`` for generation.)
 
 ``source`` says where the gates come from: ``rlkv`` / ``duo`` (``gates``: an L x H_kv list, or the path of a run's
 metrics.json holding ``results.gates``), ``random`` (uniform gates drawn from ``seed``), ``all_streaming`` (every
