@@ -70,3 +70,21 @@ def needle_sample(tokenizer, n_tokens: int, seed: int, n_needles: int = 1, hayst
     prompt = _join(sentences) + " " + question
     return {"prompt": prompt, "answer": values[target], "key": words[target], "needles": dict(zip(words, values)),
             "n_tokens": _n_tokens(tokenizer, prompt)}
+
+
+def multi_passkey_sample(tokenizer, n_tokens: int, seed: int, n_keys: int = 10, digits: int = 5) -> dict:
+    """DuoAttention's distillation probe: ``n_keys`` numbered pass keys at seeded depths in filler, then the question
+    and the keys in order as the answer (whose positions the distillation supervises)."""
+    rng = random.Random(seed)
+    keys = [str(rng.randint(10 ** (digits - 1), 10 ** digits - 1)) for _ in range(n_keys)]
+    needles = [f"The pass key {i + 1} is {k}" for i, k in enumerate(keys)]
+    question = " What are the pass keys in order? The pass keys are"
+    answer = " " + ", ".join(keys) + "."
+    budget = n_tokens - _n_tokens(tokenizer, INTRO + _join(needles) + question + answer)
+    if budget < 0:
+        raise ValueError(f"n_tokens={n_tokens} is too short for {n_keys} pass keys; use at least {n_tokens - budget}")
+    sentences = _sentences(filler_text(tokenizer, budget))
+    slots = sorted(rng.randint(0, len(sentences)) for _ in needles)
+    for offset, (slot, needle) in enumerate(zip(slots, needles)):
+        sentences.insert(slot + offset, needle)
+    return {"prompt": INTRO + _join(sentences) + question, "answer": answer, "keys": keys}

@@ -12,6 +12,9 @@ layer's own. Works for any layer with ``q_proj/k_proj/v_proj/o_proj`` and ``head
 
 - The core runs when there is no cache history (training, prefill); decoding steps with a non-empty cache fall back
   to the layer's configured attention (sdpa/eager/flash), as HiCI's and LongLoRA's inference does.
+  ``patch_attention(model, core, decode=True)`` runs the core on decoding steps too (q = the new tokens, k/v = the
+  whole cache after the update; ``attention_mask`` then spans the cache), for methods whose generation must use
+  the method itself (RLKV's gated rollouts).
 - ``attention_enabled(model, False)`` switches every patched layer back to standard attention (a context manager),
   ``unpatch_attention(model)`` removes the patch, leaving a plain transformers model.
 - ``set_linear_rope_scaling(model, factor)``: linear position interpolation (Chen et al. 2023), rebuilt in place.
@@ -29,6 +32,7 @@ import torch.nn.functional as F
 
 _PATCH_ATTR = "_paperlab_core"
 _ENABLED_ATTR = "_paperlab_core_enabled"
+_DECODE_ATTR = "_paperlab_core_decode"
 
 
 def attention_modules(model) -> list[torch.nn.Module]:
@@ -114,7 +118,7 @@ def _patched_forward(self, hidden_states, position_embeddings=None, attention_ma
     q, k, v = project_qkv(self, hidden_states, position_embeddings)
     if cache is not None:
         k, v = cache.update(k, v, self.layer_idx)
-    if getattr(self, _ENABLED_ATTR, True) and history == 0:
+    if getattr(self, _ENABLED_ATTR, True) and (history == 0 or getattr(self, _DECODE_ATTR, False)):
         out = getattr(self, _PATCH_ATTR)(self, hidden_states, q, k, v, attention_mask)
     else:
         out = standard_attention(self, q, k, v, attention_mask, **kwargs)
@@ -122,11 +126,13 @@ def _patched_forward(self, hidden_states, position_embeddings=None, attention_ma
     return self.o_proj(out), None
 
 
-def patch_attention(model, core: Callable) -> list[torch.nn.Module]:
-    """Install ``core`` on every attention layer (per instance; the class is untouched). Returns the layers."""
+def patch_attention(model, core: Callable, decode: bool = False) -> list[torch.nn.Module]:
+    """Install ``core`` on every attention layer (per instance; the class is untouched). Returns the layers.
+    ``decode``: also run it on cached decoding steps (default: prefill/training only)."""
     layers = attention_modules(model)
     for attn in layers:
         object.__setattr__(attn, _PATCH_ATTR, core)
+        object.__setattr__(attn, _DECODE_ATTR, decode)
         attn.forward = types.MethodType(_patched_forward, attn)
     return layers
 
@@ -138,6 +144,7 @@ def unpatch_attention(model) -> None:
             del attn.__dict__[_PATCH_ATTR]
             attn.__dict__.pop("forward", None)
             attn.__dict__.pop(_ENABLED_ATTR, None)
+            attn.__dict__.pop(_DECODE_ATTR, None)
 
 
 def is_patched(model) -> bool:

@@ -3,6 +3,7 @@
 The contract is kvpress's (NVIDIA), re-implemented for transformers 5.x (where the cache argument is ``cache``):
 
 - A press is a small dataclass used as a context manager around a model: ``with press(model): model(...)``.
+  ``on_decode`` (no-op by default) runs after every later forward on the cache (RLKV's head-wise window).
   It hooks every decoder layer's ``self_attn``; at **prefill only** (the layer's cache was empty before this
   forward and its first position is 0, so a question appended to a compressed cache never counts) it reads the
   post-RoPE cached keys/values (``cache.layers[i].keys``: batch x kv_heads x L x d), calls ``compress`` and
@@ -84,6 +85,10 @@ class Press:
     def compress(self, module, hidden_states, keys, values, kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def on_decode(self, module, layer, kwargs) -> None:
+        """After every later forward on a cache (decoding steps, an appended question): a press that keeps acting
+        while decoding (a head-wise constant window) rewrites ``layer`` or ``module.press_evicted`` here. No-op."""
+
     # -- mechanics
     def _pre_hook(self, module, args, kwargs):
         # a prefill starts a sequence: the layer's cache is empty *and* the first position is 0. A question appended
@@ -97,6 +102,9 @@ class Press:
 
     def _hook(self, module, args, kwargs, output):
         if not getattr(module, "press_prefill", False):
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            if cache is not None:
+                self.on_decode(module, cache.layers[module.layer_idx], kwargs)
             return output
         module.press_prefill = False
         hidden = kwargs.get("hidden_states", args[0] if args else None)

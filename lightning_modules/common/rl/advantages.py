@@ -41,6 +41,16 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 ADVANTAGES = {"grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages, "rloo": rloo_advantages}
 
 
+def batch_normalize(adv: torch.Tensor, weights: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
+    """(A - mean) / (std + eps) over the whole batch, each row weighted by ``weights`` (its response tokens: the
+    token-level normalisation AReaL applies after the group one; population std)."""
+    w = torch.ones_like(adv, dtype=torch.float32) if weights is None else weights.float()
+    w = w / w.sum().clamp_min(1e-12)
+    mean = (w * adv).sum()
+    std = (w * (adv - mean) ** 2).sum().sqrt()
+    return (adv - mean) / (std + eps)
+
+
 def compute_advantages(name: str, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     if name not in ADVANTAGES:
         raise ValueError(f"model.advantage={name!r}: choose one of {', '.join(ADVANTAGES)}")

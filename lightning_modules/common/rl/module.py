@@ -37,7 +37,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from lightning_modules.common.lm import CausalLMModule, _plain
-from lightning_modules.common.rl.advantages import compute_advantages
+from lightning_modules.common.rl.advantages import batch_normalize, compute_advantages
 from lightning_modules.common.rl.losses import AGGREGATIONS, divisors, k3_kl, policy_loss
 from lightning_modules.common.rl.scorers import ExactMatch
 from lightning_modules.common.rl.rollouts import (Rollouts, batched_logprobs, generate_rollouts, packed_logprobs,
@@ -83,7 +83,8 @@ class RLModule(CausalLMModule):
                  minibatches: int = 1, micro_batch_size: int = 8, eps_low: float = 0.2, eps_high: float = 0.2,
                  beta: float = 0.0, max_grad_norm: float | None = 1.0, warmup: Mapping[str, Any] | None = None,
                  val_max_new_tokens: int | None = None, measure_activations: bool = False, packing: bool = False,
-                 reward: Callable | None = None):
+                 reward: Callable | None = None,
+                 advantage_batch_norm: bool = False):
         super().__init__(backbone, optimizer, scheduler, weight_decay)
         self.reward = reward if reward is not None else ExactMatch()
         self.hparams["reward"] = repr(self.reward)  # the scorer object itself is not plain data
@@ -101,6 +102,7 @@ class RLModule(CausalLMModule):
         self.warmup = _plain(warmup) if warmup else None
         self.val_max_new_tokens = val_max_new_tokens or max_new_tokens
         self.measure_activations, self.packing = measure_activations, packing
+        self.advantage_batch_norm = advantage_batch_norm
         self.hparams["warmup"] = self.warmup
         self.tokenizer = None
         self._ref = None  # π_ref, kept out of the module tree: not trained, not checkpointed
@@ -155,6 +157,11 @@ class RLModule(CausalLMModule):
         """Kept response tokens per trajectory (N,) and per-token weights (N, T); full trajectories here."""
         return ro.lengths, ro.response_mask.clone()
 
+    def regularizer(self, ro: Rollouts) -> torch.Tensor | None:
+        """An extra loss term backpropagated once per minibatch, before its optimizer step (None: none; RLKV's
+        reward-gated L1 on its gates)."""
+        return None
+
     # --- one RL step -----------------------------------------------------------------------------
     def score(self, ro: Rollouts, batch) -> torch.Tensor:
         prompts, golds = ([x for x in batch[k] for _ in range(ro.group_size)] for k in ("prompt", "answer"))
@@ -167,6 +174,8 @@ class RLModule(CausalLMModule):
                                tok.pad_token_id, self.temperature, self.top_p, tokenizer=tok)
         ro.rewards = self.score(ro, batch)
         ro.advantages = compute_advantages(self.advantage, ro.rewards, self.group_size)
+        if self.advantage_batch_norm:  # then over the whole batch, token-weighted (AReaL's adv_norm)
+            ro.advantages = batch_normalize(ro.advantages, ro.lengths)
         return ro
 
     def update(self, ro: Rollouts, plans: list[tuple[torch.Tensor, torch.Tensor]], step_fn=None) -> dict[str, float]:
@@ -211,6 +220,10 @@ class RLModule(CausalLMModule):
                     with torch.no_grad():
                         stats["kl_old"] += float((k3_kl(logp, logp_old[rows, :n]) * (w > 0)).sum())
                 stats["loss"] += total
+                reg = self.regularizer(ro)
+                if reg is not None:
+                    self.manual_backward(reg)
+                    stats["reg"] = stats.get("reg", 0.0) + float(reg.detach())
                 stats["grad_norm"] += self._step()
                 stats["steps"] += 1
         return stats
@@ -275,6 +288,8 @@ class RLModule(CausalLMModule):
             log["train/peak_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         if self.beta:
             log["train/kl_ref"] = st["kl_ref"] / max(1.0, st["kept"])
+        if "reg" in st:
+            log["train/reg"] = st["reg"] / steps
         self.log_dict(log, on_step=True, on_epoch=False, prog_bar=False, batch_size=len(ro))
         self.log("train/reward_step", log["train/reward"], prog_bar=True, on_step=True, on_epoch=False, batch_size=len(ro))
         self._curves.append({"step": self.global_step, **{k[6:]: log[k] for k in DASHBOARD_CURVES}})

@@ -1,0 +1,134 @@
+"""The RLKV probe (arXiv 2510.08525): GRPO on the gates of a frozen LLM's mixed attention.
+
+A subclass of the RL core (``lightning_modules/common/rl/module.py``): rollouts come from the *gated* model (the
+core runs on decoding steps too, ``patch_attention(..., decode=True)``), the only trainable parameters are the gates
+α (L, H_kv), and two hooks carry the method:
+
+- :meth:`regularizer`: the reward-gated L1 ``λ · 1[r̄ > τ] · (e^{r̄} − 1) · mean|α|``, r̄ the batch mean *raw* reward
+  (detached), backpropagated once per minibatch before its optimizer step;
+- :meth:`_step`: gates clamped to [0, 1] after every optimizer step.
+
+Batch-level advantage normalisation after the group one is the core's ``advantage_batch_norm``. AReaL's
+decoupled-PPO behaviour-importance cap (``behav_imp_cap`` 5) is inert here: rollouts are synchronous, so the
+behaviour policy is π_old and its importance weight is 1; the key is kept so the recipe reads as the authors'.
+``reward_scale`` / ``reward_bias`` (AReaL's (r + bias) · scale) default to 1 / 0, since the penalty's r̄ is compared
+with τ on the raw reward. ``self_filter`` (an int): before RL, the first that many training problems are kept only if
+the model solves one of its own G samples (self-distillation sampling; paper scale reads the authors' filtered file).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import torch
+
+from lightning_modules.common.rl.module import RLModule
+from lightning_modules.common.rl.rollouts import Rollouts, generate_rollouts
+from lightning_modules.rlkv.mixed_attention import MixedAttention, check_backbone, check_window
+
+
+def sparsity_penalty(gates: torch.Tensor, mean_reward: float, scale: float, tau: float) -> torch.Tensor:
+    """λ · 1[r̄ > τ] · (e^{r̄} − 1) · mean|α|: off while the model is failing (r̄ ≤ τ)."""
+    weight = (math.exp(mean_reward) - 1.0) if mean_reward > tau else 0.0
+    return scale * weight * gates.abs().mean()
+
+
+def check_unit(name: str, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"model.{name}={value}: it must lie in [0, 1]")
+
+
+class GatedModelMixin:
+    """Builds the frozen backbone with the mixed attention installed; ``self.mixed`` holds the gates."""
+
+    def install_gates(self, model, window: Mapping[str, Any]):
+        model.requires_grad_(False)
+        self.mixed = MixedAttention.for_model(model, **window)
+        self.mixed.install(model)
+        return model
+
+    def gate_results(self) -> dict:
+        g = self.mixed.gates.detach().float().cpu()
+        return {"gates": g.tolist(), "gate_mean": float(g.mean()), "gate_min": float(g.min())}
+
+
+class RLKVModule(GatedModelMixin, RLModule):
+    """Args beyond the RL core's: the training window ``sink``/``recent``/``window``/``block``, ``gate_init``,
+    ``reg_scale`` λ, ``tau`` τ, ``reward_scale``/``reward_bias``, ``behav_imp_cap`` (inert, see above), and
+    ``self_filter`` (problems to self-filter before RL, null = off)."""
+
+    def __init__(self, backbone: Mapping[str, Any], sink: int = 128, recent: int = 256, window: str = "token",
+                 block: int = 128, gate_init: float = 1.0, reg_scale: float = 1e-3, tau: float = 0.5,
+                 reward_scale: float = 1.0, reward_bias: float = 0.0, behav_imp_cap: float = 5.0,
+                 self_filter: int | None = None, **kwargs):
+        check_window(sink, recent, window, block)
+        check_unit("tau", tau)
+        check_unit("gate_init", gate_init)
+        super().__init__(backbone, **kwargs)
+        self.window = {"sink": sink, "recent": recent, "window": window, "block": block, "init": gate_init}
+        self.reg_scale, self.tau = reg_scale, tau
+        self.reward_scale, self.reward_bias, self.behav_imp_cap = reward_scale, reward_bias, behav_imp_cap
+        self.self_filter = self_filter
+        self.mixed = None
+        self.results: dict = {}
+        self._raw_mean = 0.0
+
+    def setup(self, stage: str) -> None:
+        check_backbone(self.backbone_spec)
+        super().setup(stage)
+
+    def build_model(self):
+        return self.install_gates(super().build_model(), self.window)
+
+    def score(self, ro: Rollouts, batch) -> torch.Tensor:
+        raw = super().score(ro, batch)
+        self._raw_mean = float(raw.mean())
+        return (raw + self.reward_bias) * self.reward_scale
+
+    def regularizer(self, ro: Rollouts) -> torch.Tensor:
+        return sparsity_penalty(self.mixed.gates, self._raw_mean, self.reg_scale, self.tau)
+
+    def _step(self) -> float:
+        norm = super()._step()
+        self.mixed.clamp_()
+        return norm
+
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        g = self.mixed.gates.detach()
+        self.log_dict({"train/gate_mean": float(g.mean()), "train/gate_min": float(g.min())}, on_step=True,
+                      on_epoch=False, batch_size=len(batch["prompt"]))
+        return out
+
+    def on_fit_start(self):
+        if self.self_filter:
+            self.filter_training_problems(int(self.self_filter))
+
+    @torch.no_grad()
+    def filter_training_problems(self, n: int) -> None:
+        """Self-distillation sampling: keep the first ``n`` training problems the model solves in one of G samples."""
+        from datamodules.verifiable import collate
+
+        dm, tok = self.trainer.datamodule, self.get_tokenizer()
+        items = dm.train_set.items[:n]
+        kept = []
+        for start in range(0, len(items), self.micro_batch_size):
+            batch = collate(items[start:start + self.micro_batch_size])
+            ro = generate_rollouts(self.model, batch["prompt_ids"], self.group_size, self.max_new_tokens,
+                                   tok.eos_token_id, tok.pad_token_id, self.temperature, self.top_p, tokenizer=tok)
+            solved = super().score(ro, batch).view(-1, self.group_size).amax(1) > 0.5
+            kept += [it for it, s in zip(batch_items(batch), solved) if s]
+        if not kept:
+            raise ValueError(f"model.self_filter={n}: the model solves none of its first {n} training problems; "
+                             "raise it, warm the model up longer, or set model.self_filter=null")
+        dm.train_set.items = kept
+        self.results["self_filter"] = {"checked": len(items), "kept": len(kept)}
+
+    def on_fit_end(self):
+        super().on_fit_end()
+        self.results.update(self.gate_results())
+
+
+def batch_items(batch: dict) -> list[dict]:
+    keys = list(batch)
+    return [dict(zip(keys, vals)) for vals in zip(*(batch[k] for k in keys))]

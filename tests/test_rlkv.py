@@ -1,0 +1,387 @@
+"""RLKV (arXiv 2510.08525): the gated mixed-attention core (prefill and decode), the reward-gated L1 penalty, the
+RL probe's hooks, the global head allocation, the head-wise full/constant KV cache press and the tiny run."""
+import math
+
+import pytest
+import torch
+
+from lightning_modules.common.attention import unpatch_attention
+from lightning_modules.rlkv.mixed_attention import MixedAttention, allowed_keys, streaming_keys
+
+SINK, RECENT = 2, 5
+
+
+def tiny_llama(dtype=torch.float64, layers=2, kv_heads=2, seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=128,
+                      attn_implementation="sdpa", pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+def gated(model, alpha, **kw):
+    mixed = MixedAttention.for_model(model, sink=kw.pop("sink", SINK), recent=kw.pop("recent", RECENT), **kw)
+    with torch.no_grad():
+        mixed.gates.fill_(alpha) if not torch.is_tensor(alpha) else mixed.gates.copy_(alpha)
+    mixed.to(next(model.parameters()).dtype)
+    mixed.install(model)
+    return mixed
+
+
+def reference_attention(q, k, v, keep, scale):
+    """Plain fp64 masked softmax attention over query/key ranks; keep(r_q, r_k) -> bool."""
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(n_rep, 1), v.repeat_interleave(n_rep, 1)
+    N = q.shape[2]
+    mask = torch.tensor([[j <= i and keep(i, j) for j in range(N)] for i in range(N)])
+    w = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf")).softmax(-1)
+    return (w @ v).transpose(1, 2)
+
+
+def random_qkv(N=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, 4, N, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 2, N, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(1, 2, N, 8, generator=g, dtype=torch.float64)
+    return q, k, v
+
+
+class _Attn:
+    scaling, layer_idx = 8 ** -0.5, 0
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 1.0])
+def test_core_is_the_alpha_mix_of_full_and_sink_recent_softmax_fp64(alpha):
+    q, k, v = random_qkv()
+    mixed = MixedAttention(1, 2, sink=SINK, recent=RECENT).double()
+    with torch.no_grad():
+        mixed.gates.fill_(alpha)
+    out = mixed.core(_Attn, None, q, k, v, None)
+    full = reference_attention(q, k, v, lambda i, j: True, _Attn.scaling)
+    stream = reference_attention(q, k, v, lambda i, j: j < SINK or i - j < RECENT, _Attn.scaling)
+    torch.testing.assert_close(out, alpha * full + (1 - alpha) * stream, rtol=0, atol=1e-12)
+    # within sink + recent every gate gives the same output (both softmaxes see every key)
+    torch.testing.assert_close(full[:, :SINK + RECENT], stream[:, :SINK + RECENT], rtol=0, atol=1e-12)
+
+
+def test_block_window_counts_in_blocks():
+    allowed = allowed_keys(None, 12, 12, "cpu")
+    s = streaming_keys(allowed, sink=2, recent=4, window="block", block=2)[0, 0]
+    # query 9 is in block 4: sink block 0 and blocks 3, 4 (its own, causal)
+    assert s[9].nonzero().flatten().tolist() == [0, 1, 6, 7, 8, 9]
+    assert s[3, :4].all() and not s[3, 4:].any()  # early queries see their whole causal past
+
+
+def test_gates_one_reproduce_standard_attention_at_prefill_and_decode_greedy():
+    model = tiny_llama()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(2, 61, (2, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    ids[1, :3] = 0
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        ref_logits = model(input_ids=ids, attention_mask=mask).logits
+        ref = model.generate(input_ids=ids, attention_mask=mask, **kw)
+        gated(model, 1.0)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        out = model.generate(input_ids=ids, attention_mask=mask, **kw)
+    torch.testing.assert_close(logits[mask.bool()], ref_logits[mask.bool()], rtol=0, atol=1e-10)
+    assert torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("window", ["token", "block"])
+def test_decode_core_equals_prefill_output_and_left_padding_equals_unpadded(window):
+    model = tiny_llama()
+    alpha = torch.tensor([[0.0, 0.6], [0.2, 1.0]], dtype=torch.float64)
+    gated(model, alpha, window=window, block=2, sink=2, recent=4)
+    g = torch.Generator().manual_seed(5)
+    seq = torch.randint(2, 61, (1, 14), generator=g)
+    with torch.no_grad():
+        full = model(input_ids=seq).logits[0]
+        # decode: prefill 8 tokens, then one token at a time through the cache
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config)
+        steps = [model(input_ids=seq[:, :8], cache=cache, use_cache=True).logits[0, -1]]
+        for t in range(8, 14):
+            steps.append(model(input_ids=seq[:, t:t + 1], cache=cache, use_cache=True,
+                               position_ids=torch.tensor([[t]])).logits[0, -1])
+        torch.testing.assert_close(torch.stack(steps), full[7:], rtol=0, atol=1e-10)
+        # a left-padded row equals its unpadded twin
+        padded = torch.cat([torch.zeros(1, 4, dtype=torch.long), seq], 1)
+        mask = torch.cat([torch.zeros(1, 4, dtype=torch.long), torch.ones_like(seq)], 1)
+        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+        twin = model(input_ids=padded, attention_mask=mask, position_ids=pos).logits[0, 4:]
+        torch.testing.assert_close(twin, full, rtol=0, atol=1e-10)
+    # the stream part matters here: the all-ones model differs
+    unpatch_attention(model)
+    with torch.no_grad():
+        assert (model(input_ids=seq).logits[0] - full).abs().max() > 1e-4
+
+
+def test_bad_window_and_backbone_fail_with_one_line():
+    with pytest.raises(ValueError, match="empty window"):
+        MixedAttention(2, 2, sink=4, recent=0)
+    with pytest.raises(ValueError, match="token or block"):
+        MixedAttention(2, 2, window="tile")
+    with pytest.raises(ValueError, match="q_proj/k_proj/v_proj/o_proj"):
+        MixedAttention.for_model(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    from lightning_modules.rlkv.mixed_attention import check_backbone
+
+    gpt2 = {"family": "gpt2", "config": {"vocab_size": 64, "n_embd": 32, "n_layer": 2, "n_head": 2}}
+    with pytest.raises(ValueError, match="backbone.family=gpt2.*choose such a backbone"):
+        check_backbone(gpt2)  # on the meta device: nothing is loaded
+    check_backbone({"family": "llama", "config": {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+                                                  "num_hidden_layers": 1, "num_attention_heads": 2}})
+
+
+# --- allocation and the head-wise press -------------------------------------------------------------------------
+from lightning_modules.rlkv.press import HeadMixedPress, allocate  # noqa: E402
+
+
+@pytest.mark.parametrize("s", [0.0, 0.2, 0.25, 0.5, 0.6, 1.0])
+def test_allocation_compresses_exactly_round_s_LH_heads_globally(s):
+    g = torch.Generator().manual_seed(0)
+    gates = torch.rand(4, 6, generator=g)
+    stream = allocate(gates, s)
+    k = round(s * 24)
+    assert int(stream.sum()) == k
+    if 0 < k < 24:
+        assert gates[stream].max() < gates[~stream].min()
+    # gates low in one layer: every pick lands there (global, not per layer)
+    low = gates.clone()
+    low[2] = low[2] * 0.01
+    assert allocate(low, 0.25)[2].all() and int(allocate(low, 0.25).sum()) == 6
+
+
+def greedy_decode(model, press, ids, mask, steps, on_step=None):
+    """Prefill ``ids`` under ``press`` then decode greedily one token at a time; returns tokens and step logits."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    toks, logits = [], []
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    with press(model) if press is not None else torch.no_grad(), torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits[:, -1]
+        for _ in range(steps):
+            logits.append(out)
+            tok = out.argmax(-1, keepdim=True)
+            toks.append(tok)
+            mask = torch.cat([mask, torch.ones_like(tok)], 1)
+            pos = pos[:, -1:] + 1
+            out = model(input_ids=tok, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits[:, -1]
+            if on_step is not None:
+                on_step(cache)
+    return torch.cat(toks, 1), torch.stack(logits, 1)
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(2, 61, (2, 20), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :5], ids[1, :5] = 0, 0  # a left-padded row
+    return ids, mask
+
+
+GATES = [[0.9, 0.1], [0.3, 0.8]]
+
+
+@pytest.mark.parametrize("storage", ["masked", "split"])
+def test_streaming_heads_hold_sink_plus_recent_full_heads_grow_by_one(prompt, storage):
+    model = tiny_llama(torch.float32)
+    press = HeadMixedPress(gates=GATES, sparsity=0.5, sink=2, recent=4, storage=storage)
+    ids, mask = prompt
+    seen = []
+    greedy_decode(model, press, ids, mask, 6, on_step=lambda c: seen.append(HeadMixedPress.kv_entries(model, c)))
+    stream = allocate(torch.tensor(GATES), 0.5)
+    for t, entries in enumerate(seen, start=1):
+        for layer, n in enumerate(entries):
+            assert n[stream[layer]].eq(6).all(), (t, layer, n)
+            assert n[~stream[layer]].eq(20 + t).all(), (t, layer, n)
+
+
+def test_split_equals_masked_and_s0_equals_no_press(prompt):
+    model = tiny_llama(torch.float32)
+    ids, mask = prompt
+    ref_toks, ref_logits = greedy_decode(model, None, ids, mask, 10)
+    toks0, _ = greedy_decode(model, HeadMixedPress(gates=GATES, sparsity=0.0, sink=2, recent=4), ids, mask, 10)
+    assert torch.equal(toks0, ref_toks)
+    m_toks, m_logits = greedy_decode(model, HeadMixedPress(gates=GATES, sparsity=0.75, sink=2, recent=4), ids, mask, 10)
+    s_toks, s_logits = greedy_decode(model, HeadMixedPress(gates=GATES, sparsity=0.75, sink=2, recent=4,
+                                                           storage="split"), ids, mask, 10)
+    assert torch.equal(m_toks, s_toks)
+    torch.testing.assert_close(s_logits, m_logits, rtol=0, atol=1e-5)
+    assert (m_logits - ref_logits).abs().max() > 1e-3  # the window changes what streaming heads see
+
+
+def test_all_streaming_decoding_equals_a_physically_truncated_cache(prompt):
+    """Planted reference: every head streams -> the same as cutting each layer's cache to sink + recent by hand."""
+    from transformers import DynamicCache
+
+    model = tiny_llama(torch.float64)
+    ids = prompt[0][:1]
+    mask = torch.ones_like(ids)
+    toks, logits = greedy_decode(model, HeadMixedPress(sparsity=0.0, sink=2, recent=4, source="all_streaming"),
+                                 ids, mask, 5)
+    cache = DynamicCache(config=model.config)
+    ref = []
+    with torch.no_grad():
+        out = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]
+        for t in range(5):
+            ref.append(out)
+            for layer in cache.layers:  # keep sink + recent, then attend with the new token
+                keep = list(range(2)) + list(range(layer.keys.shape[-2] - 4, layer.keys.shape[-2]))
+                layer.keys, layer.values = layer.keys[:, :, keep], layer.values[:, :, keep]
+            out = model(input_ids=toks[:, t:t + 1], cache=cache, use_cache=True,
+                        position_ids=torch.tensor([[20 + t]])).logits[:, -1]
+    torch.testing.assert_close(logits, torch.stack(ref, 1), rtol=0, atol=1e-10)
+
+
+def test_press_bad_input():
+    with pytest.raises(ValueError, match="needs gates"):
+        HeadMixedPress(sparsity=0.5)
+    with pytest.raises(ValueError, match="sparsity"):
+        HeadMixedPress(gates=GATES, sparsity=1.5)
+    with pytest.raises(ValueError, match="empty window"):
+        HeadMixedPress(gates=GATES, recent=0)
+
+
+# --- the probe: penalty, hooks, clamp, tiny run ---------------------------------------------------------------
+from lightning_modules.rlkv.module import RLKVModule, sparsity_penalty  # noqa: E402
+
+
+@pytest.mark.parametrize("r_bar", [0.0, 0.3, 0.5, 0.75, 1.0])
+def test_penalty_value_and_gradient(r_bar):
+    lam, tau = 2.5e-3, 0.5
+    gates = torch.tensor([[0.2, 0.9, 0.0], [0.5, 1.0, 0.7]], requires_grad=True)
+    p = sparsity_penalty(gates, r_bar, lam, tau)
+    p.backward()
+    if r_bar <= tau:
+        assert float(p) == 0.0 and torch.count_nonzero(gates.grad) == 0
+    else:
+        w = lam * (math.exp(r_bar) - 1)
+        assert float(p) == pytest.approx(w * float(gates.abs().mean()), rel=1e-6)
+        torch.testing.assert_close(gates.grad, w * torch.sign(gates.detach()) / gates.numel())
+
+
+def test_batch_advantage_normalisation_is_token_weighted():
+    from lightning_modules.common.rl.advantages import batch_normalize, grpo_advantages
+
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0])
+    lengths = torch.tensor([3, 5, 2, 7, 1, 4, 6, 2])
+    a = batch_normalize(grpo_advantages(r, 4), lengths, eps=0.0)
+    w = lengths.float() / lengths.sum()
+    assert float((w * a).sum()) == pytest.approx(0.0, abs=1e-6)
+    assert float((w * a ** 2).sum()) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_gates_stay_in_unit_interval_after_a_step_at_lr_100(monkeypatch):
+    from lightning_modules.common.rl import module as rl_module
+    from lightning_modules.rlkv.mixed_attention import MixedAttention as MA
+
+    m = RLKVModule(backbone={"family": "llama"}, reg_scale=1.0, tau=0.0)
+    m.mixed = MA(2, 2)
+    opt = torch.optim.SGD(m.mixed.parameters(), lr=100.0)
+
+    def plain_step(self):  # the core's step without a trainer: one optimizer step on the current gradient
+        opt.step()
+        opt.zero_grad()
+        return 0.0
+
+    monkeypatch.setattr(rl_module.RLModule, "_step", plain_step)
+    m._raw_mean = 1.0
+    m.regularizer(None).backward()  # the penalty alone pushes every gate down by lr * grad >> 1
+    m._step()
+    assert float(m.mixed.gates.min()) == 0.0 and float(m.mixed.gates.max()) <= 1.0
+    (-m.mixed.gates.sum()).backward()  # and up
+    m._step()
+    assert float(m.mixed.gates.min()) == 1.0
+
+
+def test_probe_bad_input_fails_before_loading():
+    with pytest.raises(ValueError, match="tau"):
+        RLKVModule(backbone={"family": "llama"}, tau=1.5)
+    with pytest.raises(ValueError, match="empty window"):
+        RLKVModule(backbone={"family": "llama"}, recent=0)
+
+
+def test_rlkv_tiny_smoke(tmp_path, tiny_lm_dir):
+    """The tiny probe end to end (smoke: 20 steps; data.n_val=16 and model.self_filter=16 shrink evaluation and the
+    self-filter, which debug=smoke does not): rollouts from the gated model, the penalty on, gates moved."""
+    from tests.helpers import run_experiment
+
+    value, metrics = run_experiment("rlkv_tiny", tmp_path, overrides=("debug=smoke", "data.n_val=16",
+                                                                      "model.self_filter=16"))
+    assert metrics["status"] == "ok" and metrics["global_step"] == 20
+    final, results = metrics["final"], metrics["results"]
+    assert math.isfinite(final["train/loss"]) and final["train/reg"] >= 0
+    gates = torch.tensor(results["gates"])
+    assert gates.shape == (4, 2) and 0 <= float(gates.min()) and float(gates.max()) <= 1
+    assert float(gates.min()) < 0.99  # gates moved
+    assert 0 < results["self_filter"]["kept"] <= 16
+
+
+def test_duo_distillation_is_zero_at_gates_one_and_positive_below():
+    from lightning_modules.rlkv.duo import DuoAttentionModule
+
+    m = DuoAttentionModule(backbone={"family": "llama"}, sink=2, recent=4)
+    m.model = m.install_gates(tiny_llama(), m.window)
+    m.mixed.double()
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(2, 61, (2, 24), generator=g)
+    sup = torch.zeros_like(ids, dtype=torch.bool)
+    sup[:, -5:] = True
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "supervise": sup}
+    assert float(m.distill_loss(batch)) < 1e-20
+    with torch.no_grad():
+        m.mixed.gates.zero_()
+    loss = m.distill_loss(batch)
+    loss.backward()
+    assert float(loss) > 1e-8 and m.mixed.gates.grad.abs().sum() > 0
+    assert all(not p.requires_grad for p in m.model.parameters())
+
+
+def test_duoattn_tiny_smoke(tmp_path, tiny_lm_dir):
+    """debug=smoke (20 steps); data.n_train/n_val shrink the generated passkey sets, which smoke does not."""
+    from tests.helpers import run_experiment
+
+    value, metrics = run_experiment("duoattn_tiny", tmp_path, overrides=("debug=smoke", "data.n_train=80",
+                                                                         "data.n_val=4"))
+    gates = torch.tensor(metrics["results"]["gates"])
+    assert metrics["status"] == "ok" and gates.shape == (4, 2)
+    assert 0 <= float(gates.min()) < 0.99 and float(gates.max()) <= 1 and math.isfinite(value)
+
+
+def test_press_generate_is_greedy_generate_and_counts_the_kept_cache(prompt):
+    """The benchmark's decoder: no press = transformers' greedy generate (left padding included); every head
+    streaming keeps (sink + recent) / cache length of the entries."""
+    from lightning_modules.rlkv.evaluation import press_generate
+
+    model = tiny_llama(torch.float64)
+    ids, mask = prompt
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    with torch.no_grad():
+        ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                             eos_token_id=None)[:, ids.shape[1]:]
+    out = press_generate(model, None, prompts, 6, eos_id=None, pad_id=0)
+    assert torch.equal(out["tokens"], ref) and out["kv_kept_fraction"] == 1.0
+    one = press_generate(model, HeadMixedPress(source="all_streaming", sink=2, recent=4), prompts[:1], 6, None, 0)
+    assert one["kv_kept_fraction"] == pytest.approx(6 / (20 + 5))  # 20 prompt + 5 fed tokens in the cache
+    forced = press_generate(model, None, prompts, 6, None, 0, targets=ref)
+    assert torch.equal(forced["tokens"], ref) and forced["nll"] > 0
+
+
+def test_masks_in_every_form_give_the_same_keys():
+    """bool (sdpa), additive (eager) and 2-D padding (flash) masks of one left-padded batch agree."""
+    pad = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    as_bool = pad[:, None, None, :].bool() & causal
+    additive = torch.zeros(as_bool.shape).masked_fill(~as_bool, torch.finfo(torch.float32).min)
+    ref = allowed_keys(as_bool, 6, 6, "cpu")
+    assert torch.equal(allowed_keys(additive, 6, 6, "cpu"), ref) and torch.equal(allowed_keys(pad, 6, 6, "cpu"), ref)
+    # padding queries see only themselves; real ones their real causal past
+    assert ref[0, 0, 0].nonzero().flatten().tolist() == [0] and ref[0, 0, 4].nonzero().flatten().tolist() == [2, 3, 4]
