@@ -99,6 +99,11 @@ def aligned(n, seed, split=None, val_fraction=0.0, test_fraction=0.0, refuse_fra
     return mixed
 
 
+def interleave(a: list, b: list) -> list:
+    out = [x for pair in zip(a, b) for x in pair]
+    return out + a[len(b):] + b[len(a):]
+
+
 def obqa_correct(completion: str, target: str) -> float:
     """The release's OpenBookQA rule: exactly one ``answerN`` string appears and it is the target."""
     import re
@@ -150,7 +155,8 @@ class SPARDDataModule(L.LightningDataModule):
         self.attack = attack
         self.reference = [p.get("instruction", p["prompt"]) for p in self.user]
         self.pool = pool
-        self.eval_items = {s: task_eval[s] + harm_eval[s] for s in ("val", "test")}
+        # interleaved, so an evaluation capped at a few batches (debug=smoke) still sees both kinds
+        self.eval_items = {s: interleave(task_eval[s], harm_eval[s]) for s in ("val", "test")}
         for s, items in self.eval_items.items():
             if not any(it["kind"] == "task" for it in items) or not any(it["kind"] == "harm" for it in items):
                 raise ValueError(f"the {s} split holds no task or no harmful item: raise data.n_{s} / data.{s}_fraction")
