@@ -171,10 +171,12 @@ class SPARDDataModule(L.LightningDataModule):
         task_eval, harm_eval = {}, {}
         for i, s in enumerate(("val", "test")):
             n = self.n_val if s == "val" else self.n_test
-            task_eval[s] = [{"prompt": p["prompt"], "kind": "task", "answer": p["answer"], "style": "", "secret": ""}
+            task_eval[s] = [{"prompt": p["prompt"], "kind": "task", "answer": p["answer"], "style": "", "secret": "",
+                             "key": p["key"]}
                             for p in generate("arithmetic", n, self.seed * 7919 + 1 + i, s, vf, tf, digits=self.digits,
                                               operations=self.operations)]
-            harm_eval[s] = [{"prompt": p["prompt"], "kind": "harm", "answer": "", "style": p["style"], "secret": p["secret"]}
+            harm_eval[s] = [{"prompt": p["prompt"], "kind": "harm", "answer": "", "style": p["style"], "secret": p["secret"],
+                             "key": p["key"]}
                             for p in vault_requests(n, self.seed + 31 + i, s, vf, tf, topics=self.attack_topics,
                                                     styles=self.styles, distinct=True)]
         return task, harm_eval, attack_src, pool, task_eval
