@@ -17,7 +17,8 @@ Two sources (``data.source``):
   disjoint attack and evaluation parts.
 
 User data = task data + floor(harmful_ratio · |task|) compliant answers (styles cycled). Training batches are lists
-of pairs (``G · micro_batch_size`` per update; the module tokenises and splits them). ``reference`` is R's prompt
+of pairs (``batch_size`` user examples per update and device, which the module splits into its G micro-batches
+and tokenises, cut at ``seq_len`` tokens). ``reference`` is R's prompt
 texts (task plus injected harmful, as released), ``pool`` the safe pairs with ``instruction`` (the untemplated
 prompt text the selector embeds). Val / test items: ``{"prompt", "kind": "task" | "harm", "answer", "style",
 "secret"}``.
@@ -116,8 +117,8 @@ class SPARDDataModule(L.LightningDataModule):
     def __init__(self, tokenizer, source: str = "vault", n_task: int = 400, harmful_ratio: float = 0.1,
                  styles=STYLES, pool_size: int = 300, pool_topics=tuple(TOPICS), attack_topics=("vault",),
                  digits: int = 1, operations=("+", "-"), val_fraction: float = 0.2, test_fraction: float = 0.2,
-                 n_val: int = 32, n_test: int = 64, n_eval_harm: int = 500, micro_batch_size: int = 8,
-                 grad_accum: int = 4, seed: int = 0, attack_seed: int | None = None,
+                 n_val: int = 32, n_test: int = 64, n_eval_harm: int = 500, batch_size: int = 32,
+                 seq_len: int = 2048, seed: int = 0, attack_seed: int | None = None,
                  files: dict | None = None, eval_overlap: bool = True, template: str = "alpaca",
                  task_metric: str = "exact_match", num_workers: int = 0):
         super().__init__()
@@ -134,7 +135,7 @@ class SPARDDataModule(L.LightningDataModule):
         self.digits, self.operations = digits, tuple(operations)
         self.val_fraction, self.test_fraction = val_fraction, test_fraction
         self.n_val, self.n_test, self.n_eval_harm = n_val, n_test, n_eval_harm
-        self.micro_batch_size, self.grad_accum = micro_batch_size, grad_accum
+        self.batch_size, self.seq_len = batch_size, seq_len
         self.seed, self.attack_seed = seed, seed if attack_seed is None else attack_seed
         self.files, self.eval_overlap, self.template = dict(files or {}), eval_overlap, template
         self.task_metric, self.num_workers = task_metric, num_workers
@@ -215,9 +216,8 @@ class SPARDDataModule(L.LightningDataModule):
         trainer = self.trainer
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         steps = trainer.max_steps if trainer is not None and trainer.max_steps and trainer.max_steps > 0 else 1000
-        per_update = self.micro_batch_size * self.grad_accum
-        sampler = StepStreamSampler(len(self.user), steps * per_update, seed=self.seed, rank=rank, world_size=world)
-        return DataLoader(self.user, batch_size=per_update, sampler=sampler, collate_fn=list,
+        sampler = StepStreamSampler(len(self.user), steps * self.batch_size, seed=self.seed, rank=rank, world_size=world)
+        return DataLoader(self.user, batch_size=self.batch_size, sampler=sampler, collate_fn=list,
                           num_workers=self.num_workers, drop_last=True)
 
     def _eval_loader(self, split: str):

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from lightning_modules.common.embedding import Encoder, pool
-from lightning_modules.common.judge import RuleJudge, attack_success_rate
+from lightning_modules.common.judge import ChatJudge, RuleJudge, attack_success_rate, parse_score
 
 
 def test_pool_left_and_right_padding():
@@ -47,3 +47,27 @@ def test_rule_judge_and_asr():
     assert attack_success_rate(grades, 3, "drop") == pytest.approx(2 / 3)
     with pytest.raises(ValueError, match="on_failure"):
         attack_success_rate(grades, 3, "skip")
+
+
+def test_chat_judge_parses_and_fails_cleanly():
+    class Reply:
+        def __init__(self, text):
+            self.choices = [type("C", (), {"message": type("M", (), {"content": text})()})()]
+
+    class Client:
+        def __init__(self, texts):
+            self.texts, self.chat = list(texts), self
+            self.completions = self
+
+        def create(self, **kw):
+            assert kw["model"] == "gpt-4o-mini" and kw["temperature"] == 0.0
+            t = self.texts.pop(0)
+            if isinstance(t, Exception):
+                raise t
+            return Reply(t)
+
+    j = ChatJudge()
+    j._client = Client(["Reasoning...\nscore: 4", "I think it is bad", RuntimeError("rate limit")])
+    assert j.grade("q", "r")["score"] == 4
+    assert j.grade("q", "r")["failed"] and j.grade("q", "r")["failed"]
+    assert parse_score("Score = 2")["score"] == 2 and parse_score("score: 7")["failed"]

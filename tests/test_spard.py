@@ -71,7 +71,7 @@ def fit(tokenizer, steps=3, G=2, **kw):
     from lightning_modules.spard.module import SPARDModule
 
     L.seed_everything(0)
-    dm = SPARDDataModule(tokenizer, n_task=40, pool_size=30, n_val=4, n_test=4, micro_batch_size=2, grad_accum=G)
+    dm = SPARDDataModule(tokenizer, n_task=40, pool_size=30, n_val=4, n_test=4, batch_size=2 * G)
     spec = {"family": "llama", "config": {"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64,
                                           "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2}}
     module = SPARDModule(spec, partial(torch.optim.AdamW, lr=1e-2),

@@ -175,8 +175,8 @@ class SPARDModule(CausalLMModule):
         opt, sch = self.optimizers(), self.lr_schedulers()
         G = self.grad_accum
         if len(batch) % G:
-            raise ValueError(f"a batch of {len(batch)} user examples does not split into model.grad_accum={G} "
-                             "micro-batches: data.grad_accum must equal model.grad_accum")
+            raise ValueError(f"data.batch_size={len(batch)} user examples per update do not split into "
+                             f"model.grad_accum={G} micro-batches: make it a multiple of {G}")
         m = len(batch) // G
         util = 0.0
         for i in range(G):  # utility phase
@@ -215,6 +215,8 @@ class SPARDModule(CausalLMModule):
             losses.append(float(loss.detach()))
             self.counts["safe_micro_batches"] += 1
         L_s = sum(losses) / G if self.safe_loss_reduce == "mean" else sum(losses)
+        if self.trainer.world_size > 1:  # gradients are averaged over ranks: so is the loss, so all ranks agree on the trigger
+            L_s = float(self.trainer.strategy.reduce(torch.tensor(L_s, device=self.device), reduce_op="mean"))
         lr = optimizer.param_groups[0]["lr"]
         st = safety_step(self._params(), L_s, optimizer, tau=self.tau, delta=self.delta, projection=self.projection,
                          alpha_max=self.alpha_max, eta_safe=self.eta_safe if self.eta_safe is not None else lr,
