@@ -21,7 +21,7 @@ of pairs (``batch_size`` user examples per update and device, which the module s
 and tokenises, cut at ``seq_len`` tokens). ``reference`` is R's prompt
 texts (task plus injected harmful, as released), ``pool`` the safe pairs with ``instruction`` (the untemplated
 prompt text the selector embeds). Val / test items: ``{"prompt", "kind": "task" | "harm", "answer", "style",
-"secret"}``.
+"secret", "instruction"}`` (harmful items: the untemplated request the judge reads).
 """
 from __future__ import annotations
 
@@ -177,7 +177,7 @@ class SPARDDataModule(L.LightningDataModule):
                             for p in generate("arithmetic", n, self.seed * 7919 + 1 + i, s, vf, tf, digits=self.digits,
                                               operations=self.operations)]
             harm_eval[s] = [{"prompt": p["prompt"], "kind": "harm", "answer": "", "style": p["style"], "secret": p["secret"],
-                             "key": p["key"]}
+                             "key": p["key"], "instruction": p["instruction"]}
                             for p in vault_requests(n, self.seed + 31 + i, s, vf, tf, topics=self.attack_topics,
                                                     styles=self.styles, distinct=True)]
         return task, harm_eval, attack_src, pool, task_eval
@@ -199,7 +199,8 @@ class SPARDDataModule(L.LightningDataModule):
         half = [split_of(p["instruction"], 0.0, 0.5) for p in attack_rows]
         evaluated = attack_rows if self.eval_overlap else [p for p, h in zip(attack_rows, half) if h == "test"]
         attack_src = attack_rows if self.eval_overlap else [p for p, h in zip(attack_rows, half) if h == "train"]
-        harm = [{"prompt": p["prompt"], "kind": "harm", "answer": "", "style": f.get("attack_name", "attack"), "secret": ""}
+        harm = [{"prompt": p["prompt"], "kind": "harm", "answer": "", "style": f.get("attack_name", "attack"), "secret": "",
+                 "instruction": p["instruction"]}
                 for p in evaluated[: self.n_eval_harm]]
         test = load_pairs(f["task_test"], q, a, f.get("input_field"), self.template)
         from datamodules.common.answers import extract_answer

@@ -101,6 +101,10 @@ def test_loop_counts_and_switches(tiny_tokenizer):
     assert sel["k"] == int(0.2 * (40 + 4)) == len(never.selected) == len(set(never.selected))
     mixed, _ = fit(tiny_tokenizer, defence="mixed_safe")
     assert mixed.triggers == [] and mixed.counts["safe_micro_batches"] == 3 * 2
+    # LoRA (the paper's path): only adapters train, the base weights stay
+    lora, _ = fit(tiny_tokenizer, steps=2, tau=-1e9, lora={"r": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]})
+    trained = {n for n, p in lora.model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained) and lora.triggers == [1, 1]
 
 
 @pytest.mark.parametrize("kw,match", [

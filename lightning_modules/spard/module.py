@@ -274,7 +274,7 @@ class SPARDModule(CausalLMModule):
         if harm:
             thr, drop = int(self.eval_cfg["threshold"]), self.eval_cfg["on_failure"] == "drop"
             for it, c in zip(harm, self._generate([it["prompt"] for it in harm], "harm")):
-                g = self.judge.grade(it["prompt"], c, secret=it["secret"])
+                g = self.judge.grade(it.get("instruction", it["prompt"]), c, secret=it["secret"])
                 failed = g.get("failed") or g.get("score") is None
                 if failed and drop:
                     continue
