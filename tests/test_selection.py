@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from lightning_modules.common.selection import (budget, greedy_dpp, mean_pairwise_cosine, rd_dpp_kernel, relevance,
-                                                select)
+from lightning_modules.common.selection import (budget, greedy_dpp, greedy_dpp_factor, mean_pairwise_cosine,
+                                                rd_dpp_factor, rd_dpp_kernel, relevance, select)
 
 
 def brute_greedy(L: torch.Tensor, k: int) -> list[int]:
@@ -32,6 +32,13 @@ def test_logdet_identity_and_first_pick():
     assert sign > 0 and logdet == pytest.approx(exact.item(), abs=1e-8)
     r = relevance(pool, ref, 4)
     assert S[0] == int(torch.argmax(r)) and len(set(S)) == 12
+
+
+def test_factor_form_equals_the_kernel():
+    pool, ref = planted(5)
+    S, logdet = greedy_dpp(rd_dpp_kernel(pool, ref, 4), 20)
+    S2, logdet2 = greedy_dpp_factor(rd_dpp_factor(pool, ref, 4), 20)
+    assert S == S2 == select(pool, ref, 20) and logdet2 == pytest.approx(logdet, abs=1e-8)
 
 
 @pytest.mark.parametrize("seed", [1, 2])

@@ -10,6 +10,8 @@ real_vqa next). Everything works on plain tensors; embeddings come from ``lightn
   negative maximum (odd powers), as released.
 - :func:`rd_dpp_kernel` ``(pool, ref, beta, eps) -> L``: L = diag(r)·C·diag(r) + eps·I with C the pool's cosine
   similarities: quality r_i × cosine diversity.
+- :func:`greedy_dpp_factor` ``(B, k, eps)`` / :func:`rd_dpp_factor` ``(pool, ref, beta) -> B``: the same greedy on
+  L = B·Bᵀ + eps·I without the (n, n) kernel (what :func:`select` runs: large pools fit in memory).
 - :func:`budget` ``(n_ref, ratio, n_pool) -> k``: floor(ratio · n_ref), capped at the pool.
 - :func:`select` ``(pool, ref, k, selector, beta, eps, seed) -> indices``: ``rd_dpp`` or ``random`` (k uniform
   draws with ``random.Random(seed)``, as released).
@@ -30,15 +32,31 @@ def greedy_dpp(L: torch.Tensor, k: int, eps: float = 1e-6) -> tuple[list[int], f
     log det of L restricted to them (Σ log gains). Ties go to the lowest index (``argmax``)."""
     if L.ndim != 2 or L.shape[0] != L.shape[1]:
         raise ValueError(f"greedy_dpp needs a square kernel, got shape {tuple(L.shape)}")
-    n = L.shape[0]
+    L = L.double()
+    return _greedy(L.diagonal(), lambda j: L[:, j], k, eps)
+
+
+def greedy_dpp_factor(B: torch.Tensor, k: int, eps: float = 1e-6) -> tuple[list[int], float]:
+    """:func:`greedy_dpp` on L = B·Bᵀ + eps·I without forming the (n, n) kernel: O(n·(d + k)) memory, for large
+    pools (the RD-DPP kernel is this with B = diag(r)·unit(pool), :func:`rd_dpp_factor`)."""
+    B = B.double()
+
+    def column(j: int) -> torch.Tensor:
+        col = B @ B[j]
+        col[j] += eps
+        return col
+
+    return _greedy((B * B).sum(-1) + eps, column, k, eps)
+
+
+def _greedy(diag: torch.Tensor, column, k: int, eps: float) -> tuple[list[int], float]:
+    n = diag.shape[0]
     if not 0 <= k <= n:
         raise ValueError(f"greedy_dpp: k={k} must be in [0, {n}] (the pool size)")
-    L = L.double()
-    diag = L.diagonal().clone()
     # rows of C⁻¹ L[:, S]ᵀ for every item, grown one column per pick: w_x = C⁻¹ L[x, S]ᵀ
-    W = torch.zeros(n, k, dtype=L.dtype, device=L.device)
+    W = torch.zeros(n, k, dtype=diag.dtype, device=diag.device)
     chosen: list[int] = []
-    taken = torch.zeros(n, dtype=torch.bool, device=L.device)
+    taken = torch.zeros(n, dtype=torch.bool, device=diag.device)
     logdet = 0.0
     gains = diag.clone()
     for step in range(k):
@@ -51,8 +69,7 @@ def greedy_dpp(L: torch.Tensor, k: int, eps: float = 1e-6) -> tuple[list[int], f
         if step + 1 == k:
             break
         # new Cholesky row of the pick is [w_jᵀ, sqrt(g)]; for every x: w_x gets (L_xj − w_x·w_j) / sqrt(g)
-        col = (L[:, j] - W[:, :step] @ W[j, :step]) / math.sqrt(g)
-        W[:, step] = col
+        W[:, step] = (column(j) - W[:, :step] @ W[j, :step]) / math.sqrt(g)
         gains = diag - (W[:, :step + 1] ** 2).sum(-1)
     return chosen, logdet
 
@@ -64,7 +81,9 @@ def _unit(x: torch.Tensor) -> torch.Tensor:
 def relevance(pool: torch.Tensor, ref: torch.Tensor, beta: float = 4) -> torch.Tensor:
     """r_i = (max_j cos(pool_i, ref_j))^β; an integer β is an integer power (a negative max keeps its sign for odd
     β), a fractional one needs a non-negative max."""
-    m = (_unit(pool) @ _unit(ref).T).max(dim=1).values
+    u, v = _unit(pool), _unit(ref)
+    # the max over reference chunks: never the full (n, m) cosine matrix
+    m = torch.stack([(u @ c.T).max(dim=1).values for c in v.split(4096)]).max(dim=0).values
     if float(beta).is_integer():
         return m ** int(beta)
     if (m < 0).any():
@@ -81,6 +100,11 @@ def rd_dpp_kernel(pool: torch.Tensor, ref: torch.Tensor, beta: float = 4, eps: f
     return r[:, None] * C * r[None, :] + eps * torch.eye(len(r), dtype=C.dtype, device=C.device)
 
 
+def rd_dpp_factor(pool: torch.Tensor, ref: torch.Tensor, beta: float = 4) -> torch.Tensor:
+    """B with :func:`rd_dpp_kernel` = B·Bᵀ + eps·I: the pool's unit vectors scaled by their relevance."""
+    return relevance(pool, ref, beta)[:, None] * _unit(pool)
+
+
 def budget(n_ref: int, ratio: float, n_pool: int) -> int:
     """k = floor(ratio · |R|), capped at |P|."""
     if not 0 < ratio <= 1:
@@ -95,7 +119,7 @@ def select(pool: torch.Tensor, ref: torch.Tensor, k: int, selector: str = "rd_dp
         raise ValueError(f"dpp.selector={selector!r}: choose one of {', '.join(SELECTORS)}")
     if selector == "random":
         return random.Random(seed).sample(range(len(pool)), k)
-    return greedy_dpp(rd_dpp_kernel(pool, ref, beta, eps), k, eps)[0]
+    return greedy_dpp_factor(rd_dpp_factor(pool, ref, beta), k, eps)[0]
 
 
 def mean_pairwise_cosine(emb: torch.Tensor) -> float:
