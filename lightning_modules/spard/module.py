@@ -64,8 +64,6 @@ class SPARDModule(CausalLMModule):
                 raise ValueError(f"{name}={value!r}: choose one of {', '.join(allowed)}")
         if not 0 < float(self.dpp["ratio"]) <= 1:
             raise ValueError(f"model.dpp.ratio={self.dpp['ratio']} must be in (0, 1]")
-        if quantize_base == "int8" and not torch.cuda.is_available():
-            raise ValueError("model.quantize_base=int8 needs CUDA (bitsandbytes 8-bit weights): use quantize_base=none")
         if grad_accum < 1 or safe_batch_size < 1:
             raise ValueError("model.grad_accum and model.safe_batch_size must be >= 1")
         self.automatic_optimization = False
@@ -91,6 +89,12 @@ class SPARDModule(CausalLMModule):
         self._eval = None
 
     # --- model -----------------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        """The first hook of a run, before any weight is loaded. (Not in ``__init__``: every paper-scale config is
+        instantiated on CPU by the composition tests.)"""
+        if self.quantize_base == "int8" and not torch.cuda.is_available():
+            raise ValueError("model.quantize_base=int8 needs CUDA (bitsandbytes 8-bit weights): use quantize_base=none")
+
     def held_out_fractions(self) -> dict[str, float]:
         dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         return {k: float(getattr(dm, k)) for k in ("val_fraction", "test_fraction") if hasattr(dm, k)}
