@@ -204,8 +204,8 @@ class SPARDModule(CausalLMModule):
             opt.step()  # counts the update; every gradient is cleared, so AdamW changes nothing here
         if sch is not None:
             sch.step()
+            self.counts["scheduler_steps"] += 1
         self.counts["updates"] += 1
-        self.counts["scheduler_steps"] += 1
         self.log_dict(log, on_step=True, on_epoch=False, prog_bar=False, batch_size=len(batch))
         return {"loss": torch.tensor(util)}
 
