@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import torch
 
 from datamodules.common.cache import cache_root, stable_hash
-from datamodules.instruct import sft_batch  # noqa: F401  (re-exported: the warm-up's batches)
+from datamodules.instruct import sft_batch
 
 
 def held_out(warmup: Mapping[str, Any]) -> tuple[float, float]:
