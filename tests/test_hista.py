@@ -227,3 +227,16 @@ def test_value_head_recovers_a_planted_linear_value():
     assert torch.allclose(head(X), X @ w + b, atol=1e-4)
     with pytest.raises(ValueError, match="features"):
         head.fit(X, torch.zeros(3))
+
+
+# --- end to end -------------------------------------------------------------------------------------------
+def test_hista_tiny_smoke(tmp_path, tiny_lm_dir):
+    """hista_tiny through run.py's path (debug=smoke: 20 steps). The tiny run already shrinks the procedure's
+    sizes (min_interval 4, mean_window 1, merge_gap 2, d_min median): nothing else needs an override."""
+    from tests.helpers import run_experiment
+
+    value, metrics = run_experiment("hista_tiny", tmp_path, overrides=("debug=smoke", "data.n_val=16"))
+    final = metrics["final"]
+    assert metrics["status"] == "ok" and metrics["global_step"] == 20
+    assert math.isfinite(final["train/loss"]) and math.isfinite(final["train/grad_norm"])
+    assert 0 <= value <= 1 and final["train/advantage_s"] > 0

@@ -71,7 +71,7 @@ class HistaConfig:
     alpha: float = 0.7
     mean_window: int = 5
     min_interval: int = 50
-    d_min: float = 5.0
+    d_min: float | str = 5.0   # or "median": each online rollout's median finite prefix distance (tiny scale)
     power: float = 1.0
     max_k: int = 66
     min_k: int = 6
@@ -81,6 +81,8 @@ class HistaConfig:
     def __post_init__(self):
         if self.ema_init not in EMA_INITS:
             raise ValueError(f"model.ema_init={self.ema_init!r}: choose one of {', '.join(EMA_INITS)}")
+        if isinstance(self.d_min, str) and self.d_min != "median":
+            raise ValueError(f"model.d_min={self.d_min!r}: a number or 'median'")
         if self.mean_window < 1 or self.min_interval < 1:
             raise ValueError("model.mean_window and model.min_interval must be >= 1")
 
@@ -116,9 +118,10 @@ def hista_values(reps: list[torch.Tensor], positions: list[list[int]], rewards: 
             D = torch.cat([prefix_distances(reps[j], reps[k])[(a - 1)][:, plen[k] - 1].cpu() for k in range(n)], 1)
             future = (node_owner == j).unsqueeze(0) & (node_len.unsqueeze(0) > a.unsqueeze(1))
             D = D.masked_fill(future, float("inf"))
+            d_min = float(D[torch.isfinite(D)].median()) if cfg.d_min == "median" else float(cfg.d_min)
             for i, k in enumerate(k_schedule(m - 1, cfg.max_k, cfg.min_k)):
                 d, idx = D[i].topk(min(k, int(torch.isfinite(D[i]).sum())), largest=False)
-                w = 1.0 / d.clamp_min(cfg.d_min) ** cfg.power
+                w = 1.0 / d.clamp_min(d_min) ** cfg.power
                 values.append(float((w * node_r[idx]).sum() / w.sum()))
         out.append(torch.tensor(values + [float(rewards[j])]))
     return out

@@ -31,7 +31,7 @@ ESTIMATORS = ("grpo", "numca", "hista")
 
 class HistaModule(RLModule):
     def __init__(self, *args, estimator: str = "hista", scale_rewards: str = "group", lam: float = 1.0,
-                 alpha: float = 0.7, mean_window: int = 5, min_interval: int = 50, d_min: float = 5.0,
+                 alpha: float = 0.7, mean_window: int = 5, min_interval: int = 50, d_min: float | str | None = None,
                  power: float = 1.0, max_k: int = 66, min_k: int = 6, ema_init: str = "h0", merge_gap: int = 50,
                  **kwargs):
         super().__init__(*args, **kwargs)
@@ -45,7 +45,9 @@ class HistaModule(RLModule):
         if scale_rewards not in ("group", "none"):
             raise ValueError(f"model.scale_rewards={scale_rewards!r}: choose one of group, none")
         self.estimator, self.scale, self.lam, self.merge_gap = estimator, scale_rewards, lam, merge_gap
-        self.hista = HistaConfig(alpha, mean_window, min_interval, d_min, power, max_k, min_k, lam, ema_init)
+        # d_min: a number, or "median" (each rollout's median prefix distance; tiny scale); None: the recipe's 5
+        self.hista = HistaConfig(alpha, mean_window, min_interval, 5.0 if d_min is None else d_min, power, max_k,
+                                 min_k, lam, ema_init)
         self.numca = NumcaTable()
 
     @property
