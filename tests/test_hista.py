@@ -240,3 +240,24 @@ def test_hista_tiny_smoke(tmp_path, tiny_lm_dir):
     assert metrics["status"] == "ok" and metrics["global_step"] == 20
     assert math.isfinite(final["train/loss"]) and math.isfinite(final["train/grad_norm"])
     assert 0 <= value <= 1 and final["train/advantage_s"] > 0
+
+
+def test_sveb_metrics_on_stored_json_match_hand_values(tmp_path):
+    import json
+
+    from lightning_modules.hista.sveb import check_field, cut_points, sveb_metrics
+
+    cases = [{"grpo_rewards": [1, 0, 0, 0], "mc_rewards": [1, 1, 0, 0], "estimates": {"hista": 0.4, "numca": 1.0}},
+             {"grpo_rewards": [1, 1, 1, 1], "mc_rewards": [0, 1, 0, 1], "estimates": {"hista": 0.5, "ppo-n": None}}]
+    path = tmp_path / "sveb.json"
+    path.write_text(json.dumps(cases))
+    m = sveb_metrics(json.loads(path.read_text()))
+    # V_mc = 0.5, 0.5; V_grpo = 0.25, 1
+    assert m["mae/grpo"] == pytest.approx((0.25 + 0.5) / 2)
+    assert m["mae/hista"] == pytest.approx((0.1 + 0.0) / 2) and m["mae/numca"] == pytest.approx(0.5)
+    assert m["n/numca"] == 1 and "mae/ppo-n" not in m
+    # first n continuations: n=1 -> |1-.5|, |0-.5|; n=2 -> |1-.5|, |.5-.5|; n=3 -> |2/3-.5|, |1/3-.5|; n=4 -> 0
+    assert m["noise_mae"] == pytest.approx([0.5, 0.25, 1 / 6, 0.0])
+    assert cut_points(["3", " +", " 4", "=", " 7"]) == [1, 2, 4]
+    with pytest.raises(ValueError, match="judge"):
+        check_field("science")

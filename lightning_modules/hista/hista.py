@@ -97,6 +97,29 @@ def representations(states: list[torch.Tensor], cfg: HistaConfig) -> list[torch.
     return [sm[i, :s.shape[0]:cfg.mean_window] for i, s in enumerate(states)]
 
 
+def knn_value(D: torch.Tensor, returns: torch.Tensor, k: int, d_min: float, power: float = 1.0) -> float:
+    """Σ w R / Σ w over the k nearest finite nodes, w = 1/max(D, d_min)^power."""
+    d, idx = D.topk(min(k, int(torch.isfinite(D).sum())), largest=False)
+    w = 1.0 / d.clamp_min(d_min) ** power
+    return float((w * returns[idx]).sum() / w.sum())
+
+
+def library(reps: list[torch.Tensor], positions: list[list[int]], rewards: torch.Tensor, mean_window: int):
+    """Every (rollout, state) node: its owner, prefix length in E and return, flattened."""
+    plen = [torch.tensor([p // mean_window + 1 for p in pos]) for pos in positions]
+    owner = torch.cat([torch.full((len(p),), k) for k, p in enumerate(plen)])
+    returns = torch.cat([rewards[k].float().cpu().expand(len(p)) for k, p in enumerate(plen)])
+    return plen, owner, torch.cat(plen), returns
+
+
+def node_distances(online: torch.Tensor, a: torch.Tensor, j: int, reps, plen, owner, lengths) -> torch.Tensor:
+    """D (len(a), nodes) from the online rollout ``j``'s prefixes of lengths ``a`` to every node; ∞ on rollout
+    ``j``'s own nodes longer than the online prefix."""
+    D = torch.cat([prefix_distances(online, reps[k])[(a - 1)][:, plen[k] - 1].cpu() for k in range(len(reps))], 1)
+    future = (owner == j).unsqueeze(0) & (lengths.unsqueeze(0) > a.unsqueeze(1))
+    return D.masked_fill(future, float("inf"))
+
+
 def hista_values(reps: list[torch.Tensor], positions: list[list[int]], rewards: torch.Tensor,
                  cfg: HistaConfig) -> list[torch.Tensor]:
     """Per rollout of one group, its value chain [V_0 = group mean, V_1 … V_{m−1}, V_m = R].
@@ -105,24 +128,16 @@ def hista_values(reps: list[torch.Tensor], positions: list[list[int]], rewards: 
     length in E is p // mean_window + 1."""
     n = len(reps)
     rewards = rewards.float().cpu()
-    plen = [torch.tensor([p // cfg.mean_window + 1 for p in pos]) for pos in positions]
-    node_r = torch.cat([rewards[k].expand(len(plen[k])) for k in range(n)])
-    node_owner = torch.cat([torch.full((len(plen[k]),), k) for k in range(n)])
-    node_len = torch.cat(plen)
+    plen, node_owner, node_len, node_r = library(reps, positions, rewards, cfg.mean_window)
     out = []
     for j in range(n):
         m = len(plen[j]) - 1
         values = [float(rewards.mean())]
         if m > 1:
             a = plen[j][1:m]  # the intermediate states' prefix lengths
-            D = torch.cat([prefix_distances(reps[j], reps[k])[(a - 1)][:, plen[k] - 1].cpu() for k in range(n)], 1)
-            future = (node_owner == j).unsqueeze(0) & (node_len.unsqueeze(0) > a.unsqueeze(1))
-            D = D.masked_fill(future, float("inf"))
+            D = node_distances(reps[j], a, j, reps, plen, node_owner, node_len)
             d_min = float(D[torch.isfinite(D)].median()) if cfg.d_min == "median" else float(cfg.d_min)
-            for i, k in enumerate(k_schedule(m - 1, cfg.max_k, cfg.min_k)):
-                d, idx = D[i].topk(min(k, int(torch.isfinite(D[i]).sum())), largest=False)
-                w = 1.0 / d.clamp_min(d_min) ** cfg.power
-                values.append(float((w * node_r[idx]).sum() / w.sum()))
+            values += [knn_value(D[i], node_r, k, d_min, cfg.power) for i, k in enumerate(k_schedule(m - 1, cfg.max_k, cfg.min_k))]
         out.append(torch.tensor(values + [float(rewards[j])]))
     return out
 
