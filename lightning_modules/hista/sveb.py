@@ -8,7 +8,7 @@ prefix → V_mc, the unbiased target. Estimators of V at the cut:
   longer nodes are masked), k from the schedule at the cut's intermediate-state index ([INF]: the spec leaves it);
 - ``numca``: the 32 samples' table, V(state reached by the cut) — the numbers that end before it (characters);
 - ``ppo-1`` / ``ppo-n``: a value head on the frozen policy's states fitted by regression to each response's
-  reward on ``critic_tokens`` random tokens per response (``rl/critic.py``), on ``critic_problems`` training
+  reward on ``critic_tokens`` random tokens per response (``rl/critic.py``; ridge ``critic_ridge``, clamped to [0, 1]), on ``critic_problems`` training
   problems (outside SVEB) / on 80% of the SVEB problems (by hash), scored on the other 20%.
 
 Metrics (:func:`sveb_metrics`, also over stored JSON): MAE(V_est, V_mc) per estimator, MAE(V_grpo, V_mc), and
@@ -69,13 +69,14 @@ def cut_points(pieces: list[str]) -> list[int]:
 
 class SVEBModule(HistaModule):
     def __init__(self, *args, mcs_num: int = 20, sveb_field: str = "number", critic_problems: int = 64,
-                 critic_tokens: int = 8, critic_split: float = 0.8, sveb_seed: int = 42, **kwargs):
+                 critic_tokens: int = 8, critic_split: float = 0.8, critic_ridge: float = 1.0, sveb_seed: int = 42, **kwargs):
         super().__init__(*args, **kwargs)
         check_field(sveb_field)
         if mcs_num < 1 or critic_tokens < 1 or not 0 < critic_split < 1:
             raise ValueError("model.mcs_num and model.critic_tokens must be >= 1, model.critic_split in (0, 1)")
         self.mcs_num, self.sveb_field, self.critic_problems = mcs_num, sveb_field, critic_problems
         self.critic_tokens, self.critic_split, self.sveb_seed = critic_tokens, critic_split, sveb_seed
+        self.critic_ridge = critic_ridge
         self.results: dict = {}
 
     # --- sampling ---------------------------------------------------------------------------------------
@@ -160,14 +161,15 @@ class SVEBModule(HistaModule):
         if cases:
             cut = torch.stack([c for c, _, _ in self._feats])
             if self._critic1 is not None:
-                v1 = ValueHead(cut.shape[-1]).fit(*self._critic1)(cut)
+                v1 = ValueHead(cut.shape[-1]).fit(*self._critic1, ridge=self.critic_ridge)(cut).clamp(0, 1)
                 for c, v in zip(cases, v1.tolist()):
                     c["estimates"]["ppo-1"] = v
             train = [int(stable_hash(c["id"]), 16) % 1000 < 1000 * self.critic_split for c in cases]
             if any(train) and not all(train):
                 head = ValueHead(cut.shape[-1]).fit(torch.cat([f for (_, f, _), tr in zip(self._feats, train) if tr]),
-                                                    torch.cat([y for (_, _, y), tr in zip(self._feats, train) if tr]))
-                vn = head(cut)
+                                                    torch.cat([y for (_, _, y), tr in zip(self._feats, train) if tr]),
+                                                    ridge=self.critic_ridge)
+                vn = head(cut).clamp(0, 1)  # a value of 0/1 rewards
                 for c, v, tr in zip(cases, vn.tolist(), train):
                     c["estimates"]["ppo-n"] = None if tr else v
         metrics = sveb_metrics(cases)
