@@ -1,7 +1,7 @@
 """Hista / Numca (Chen et al., ICML 2026): SVEB value accuracy and GRPO vs Numca vs Hista training, on tiny-lm.
 
 1. **SVEB** (``sveb_tiny``: 1-digit arithmetic, field "number", the warmed-up tiny policy): per problem 32 samples
-   → V_grpo, a cut at a random space of the first, 20 continuations → V_mc. MAE(V_est, V_mc) of the group mean,
+   → V_grpo, a cut at a random space of the first, 20 continuations → V_mc (T 1.0 by default, see --temperature). MAE(V_est, V_mc) of the group mean,
    Numca, Hista and the regression critics ppo-1 (fitted on training problems) / ppo-n (on 80% of SVEB, scored on
    the rest), with paired standard errors against the group mean, and the noise floor (first n continuations).
 2. **Training** at equal prompts and updates (same seed → same prompt stream): ``hista_tiny`` with
@@ -41,7 +41,7 @@ def run(experiment: str, out: Path, overrides: list[str], threads: int) -> dict:
 
 def sveb(args, tmp: Path) -> dict:
     over = [f"data.n_test={args.problems}", f"model.group_size={args.samples}", f"model.mcs_num={args.continuations}",
-            f"model.critic_problems={args.critic_problems}", f"seed={args.seed}"]
+            f"model.critic_problems={args.critic_problems}", f"model.temperature={args.temperature}", f"seed={args.seed}"]
     res = run("sveb_tiny", tmp / "sveb", over, args.threads)["results"]["sveb"]
     return {"metrics": res["metrics"], "cases": res["cases"]}
 
@@ -91,6 +91,9 @@ def main(argv=None):
     p.add_argument("--samples", type=int, default=32)
     p.add_argument("--continuations", type=int, default=20)
     p.add_argument("--critic-problems", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="SVEB sampling temperature (the paper's 0.7 leaves the warmed-up tiny policy's groups mostly all-right "
+                        "or all-wrong, where every estimator is exact)")
     p.add_argument("--updates", type=int, default=60)
     p.add_argument("--n-val", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)

@@ -169,7 +169,7 @@ def test_hista_two_identical_prefixes_give_the_weight_balanced_mean_and_future_i
     assert chains[1].tolist() == pytest.approx([2 / 3, 0.5, 0.0])
 
 
-def test_hista_future_nodes_are_infinite_and_never_selected():
+def test_hista_future_nodes_are_infinite_and_never_selected(monkeypatch):
     from lightning_modules.hista import hista as H
 
     seen = []
@@ -182,15 +182,12 @@ def test_hista_future_nodes_are_infinite_and_never_selected():
 
     torch.manual_seed(0)
     e = torch.randn(12, 3)
-    H.prefix_distances = spy
-    try:
-        cfg = HistaConfig(alpha=0.7, mean_window=1, min_interval=2, d_min=1.0, max_k=66, min_k=6)
-        pos = [state_positions(2, 10, 2)] * 2  # states at 2, 4, 6, 8, 10, 11
-        # rollout 1 (R = 0) is near; rollout 0's future nodes carry reward 1 at small D but must be masked: with k
-        # covering every node, V_1 averages rollout 0's nodes of length <= its own plus all of rollout 1's
-        v = H.hista_values([e, e + 0.5 * torch.randn(12, 3)], pos, torch.tensor([1.0, 0.0]), cfg)[0]
-    finally:
-        H.prefix_distances = orig
+    monkeypatch.setattr(H, "prefix_distances", spy)
+    cfg = HistaConfig(alpha=0.7, mean_window=1, min_interval=2, d_min=1.0, max_k=66, min_k=6)
+    pos = [state_positions(2, 10, 2)] * 2  # states at 2, 4, 6, 8, 10, 11
+    # rollout 1 (R = 0) is near; rollout 0's future nodes carry reward 1 at small D but must be masked: with k
+    # covering every node, V_1 averages rollout 0's nodes of length <= its own plus all of rollout 1's
+    v = H.hista_values([e, e + 0.5 * torch.randn(12, 3)], pos, torch.tensor([1.0, 0.0]), cfg)[0]
     D00, D01 = seen[0], seen[1]
     plen = torch.tensor([p + 1 for p in pos[0]])
     a = plen[1]
@@ -302,3 +299,49 @@ def test_numca_tiny_and_sveb_tiny_run(tmp_path, tiny_lm_dir):
     assert value == pytest.approx(sveb["metrics"]["mae/hista"])
     for c in sveb["cases"]:
         assert len(c["grpo_rewards"]) == 8 and len(c["mc_rewards"]) == 4 and 0 <= c["estimates"]["numca"] <= 1
+
+
+# --- the core's token-advantage path ------------------------------------------------------------------------
+@pytest.mark.parametrize("packing", [False, True])
+def test_update_slices_2d_advantages_per_micro_batch_padded_and_packed(packing):
+    """A planted (N, T) advantage through update() — truncated PS-PPO prefixes, micro-batches of 4, padded or packed —
+    gives the gradient of one full-batch loss with that advantage; the π_old pass hands the hook the last layer's
+    states of every real prompt + response token."""
+    from lightning_modules.common.rl.losses import divisors
+    from lightning_modules.common.rl.rollouts import position_ids, response_logprobs
+    from lightning_modules.ps_ppo import PSPPOModule
+    from tests.test_ps_ppo_packing import _Capture, rollouts
+    from tests.test_rl_core import tiny_policy
+
+    ro = rollouts([9, 3, 7, 1, 12, 5, 10, 2, 6], seed=1)
+    planted = torch.randn(len(ro), ro.response_mask.shape[1], generator=torch.Generator().manual_seed(5))
+    seen = {}
+
+    class Planted(PSPPOModule):
+        needs_hidden = True
+
+        def token_advantages(self, ro, hidden):
+            seen["hidden"] = hidden.clone()
+            return planted
+
+    spec = {"family": "llama", "pretrained": None, "config": {}}
+    m = Planted(spec, micro_batch_size=4, max_new_tokens=12, ppo_epochs=1, packing=packing, cutoff="mixture_full",
+                p_full=0.2, aggregation="token_mean")
+    m.model = tiny_policy(seed=4).train()
+    cap = _Capture(m)
+    plan = m.token_weights(ro, 0)
+    m.update(ro, [plan])
+    # the reference: one forward over the whole batch, the same per-token weights and divisor
+    kept, w = plan
+    T = ro.response_mask.shape[1]
+    m.model.zero_grad()
+    logp = response_logprobs(m.model, ro.input_ids, ro.attention_mask, ro.prompt_len, T)
+    loss, _ = policy_loss(logp, logp.detach(), planted, w, divisors("token_mean", ro.lengths, 12))
+    loss.backward()
+    ref = torch.cat([p.grad.reshape(-1) for p in m.model.parameters()])
+    torch.testing.assert_close(cap.grads[0], ref, atol=1e-6, rtol=1e-4)
+    with torch.no_grad():
+        out = m.model(input_ids=ro.input_ids, attention_mask=ro.attention_mask,
+                      position_ids=position_ids(ro.attention_mask), output_hidden_states=True)
+    real = ro.attention_mask.bool() & (torch.arange(ro.input_ids.shape[1]) < ro.prompt_len + kept.unsqueeze(1))
+    torch.testing.assert_close(seen["hidden"][real], out.hidden_states[-1][real], atol=1e-5, rtol=1e-4)
