@@ -295,7 +295,9 @@ def test_numca_tiny_and_sveb_tiny_run(tmp_path, tiny_lm_dir):
     value, metrics = run_experiment("sveb_tiny", tmp_path / "sveb", overrides=(
         "debug=smoke", "data.n_test=4", "model.group_size=8", "model.mcs_num=4", "model.critic_problems=4"))
     sveb = metrics["results"]["sveb"]
-    assert sveb["metrics"] == pytest.approx(sveb_metrics(sveb["cases"]))  # the stored JSON re-scores the same
+    again = sveb_metrics(sveb["cases"])  # the stored JSON re-scores the same
+    assert sveb["metrics"].keys() == again.keys() and sveb["metrics"]["noise_mae"] == pytest.approx(again["noise_mae"])
+    assert all(sveb["metrics"][k] == pytest.approx(again[k]) for k in again if k != "noise_mae")
     assert value == pytest.approx(sveb["metrics"]["mae/hista"])
     for c in sveb["cases"]:
         assert len(c["grpo_rewards"]) == 8 and len(c["mc_rewards"]) == 4 and 0 <= c["estimates"]["numca"] <= 1
