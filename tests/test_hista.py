@@ -347,3 +347,23 @@ def test_update_slices_2d_advantages_per_micro_batch_padded_and_packed(packing):
                       position_ids=position_ids(ro.attention_mask), output_hidden_states=True)
     real = ro.attention_mask.bool() & (torch.arange(ro.input_ids.shape[1]) < ro.prompt_len + kept.unsqueeze(1))
     torch.testing.assert_close(seen["hidden"][real], out.hidden_states[-1][real], atol=1e-5, rtol=1e-4)
+
+
+def test_dynamic_sampling_keeps_the_groups_nearest_half_and_problem_ids_are_stable(tiny_tokenizer):
+    from datamodules.verifiable import Problems, generate_problems
+    from lightning_modules.hista.module import dynamic_sample
+    from tests.test_ps_ppo_packing import rollouts
+
+    # 4 groups of 3: accuracies 1, 1/3, 0, 2/3 -> the two nearest 0.5 are groups 1 and 3 (|-1/6| ties: stable order)
+    r = torch.tensor([1, 1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 0], dtype=torch.float)
+    assert dynamic_sample(r, 3, 2).tolist() == [1, 3]
+    ro = rollouts([2, 3, 1, 4, 2, 2, 3, 1, 2, 5, 1, 2], seed=2)
+    ro.rewards, ro.problem_ids = r, [f"p{i // 3}" for i in range(12)]
+    sub = ro.select_groups(torch.tensor([1, 3]))
+    assert sub.problem_ids == ["p1"] * 3 + ["p3"] * 3 and torch.equal(sub.rewards, r[[3, 4, 5, 9, 10, 11]])
+    assert torch.equal(sub.input_ids, ro.input_ids[[3, 4, 5, 9, 10, 11]])
+    probs = generate_problems("arithmetic", 6, seed=0, digits=1)
+    a, b = Problems(probs, tiny_tokenizer, 64), Problems(list(reversed(probs)), tiny_tokenizer, 64)
+    ids = {it["prompt"]: it["id"] for it in a.items}
+    assert all(ids[it["prompt"]] == it["id"] for it in b.items)  # the id follows the problem, not its position
+    assert len({it["id"] for it in a.items}) == len({p["key"] for p in probs})
