@@ -367,3 +367,31 @@ def test_dynamic_sampling_keeps_the_groups_nearest_half_and_problem_ids_are_stab
     ids = {it["prompt"]: it["id"] for it in a.items}
     assert all(ids[it["prompt"]] == it["id"] for it in b.items)  # the id follows the problem, not its position
     assert len({it["id"] for it in a.items}) == len({p["key"] for p in probs})
+
+
+def test_module_hook_grpo_equals_the_core_and_numca_follows_the_spec_case(tiny_tokenizer):
+    from lightning_modules.common.rl.module import RLModule
+    from lightning_modules.common.rl.rollouts import Rollouts, left_pad
+    from lightning_modules.hista.module import HistaModule
+
+    spec = {"family": "llama", "pretrained": None, "config": {}}
+    tok = tiny_tokenizer
+    texts = ["3 then 5 so #### 8", "3 then 7 so #### 2"]
+    resp = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    T = max(map(len, resp))
+    ids, mask = left_pad([[5, 6], [5, 6]], pad_id=tok.pad_token_id)
+    rmask = torch.tensor([[1.0] * len(r) + [0.0] * (T - len(r)) for r in resp])
+    rids = torch.tensor([r + [tok.pad_token_id] * (T - len(r)) for r in resp])
+    ro = Rollouts(torch.cat([ids, rids], 1), torch.cat([mask, rmask.long()], 1), 2, rmask, 2, texts,
+                  torch.tensor([1.0, 0.0]), problem_ids=["p", "p"])
+    ro.advantages = grpo_advantages(ro.rewards, 2)
+    core = RLModule(spec, group_size=2, max_new_tokens=T).token_advantages(ro, None)
+    m = HistaModule(spec, group_size=2, max_new_tokens=T, estimator="grpo")
+    assert torch.allclose(m.token_advantages(ro, None), core * rmask) and torch.allclose(core[:, 0], ro.advantages)
+    m = HistaModule(spec, group_size=2, max_new_tokens=T, estimator="numca", merge_gap=1)
+    m.tokenizer = tok
+    adv = m.token_advantages(ro, None)
+    s = float(torch.tensor([1.0, 0.0]).std()) + 1e-4
+    first, last = adv[:, 0], adv[torch.arange(2), ro.lengths - 1]
+    assert first.tolist() == pytest.approx([0.5 / s, -0.5 / s]) and last.tolist() == pytest.approx([0.0, 0.0])
+    assert m.numca.value("p", {"3", "5"}) == 1.0  # the table was filled with the batch before the advantages

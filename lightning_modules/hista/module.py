@@ -3,7 +3,7 @@
 The core runs the π_old pass before advantages (with the last layer's states when the estimator needs them) and
 calls :meth:`HistaModule.token_advantages`; this class fills it in. ``estimator``:
 
-- ``grpo``: the group advantage on every token (the baseline).
+- ``grpo``: R − group mean on every token (the baseline; GRPO's advantage once scaled).
 - ``numca``: values of the set of numbers written so far, from a per-problem table kept across steps
   (``numca.py``); positions are tokens (a number's first character → the token holding it, +1), ``merge_gap``.
 - ``hista``: values by k nearest prefixes of the group's own last-layer states (``hista.py``).
@@ -66,10 +66,11 @@ class HistaModule(RLModule):
 
     # --- the hook -------------------------------------------------------------------------------------
     def token_advantages(self, ro: Rollouts, hidden: torch.Tensor | None) -> torch.Tensor:
-        if self.estimator == "grpo":
-            return super().token_advantages(ro, hidden)
         T = ro.response_mask.shape[1]
-        if self.estimator == "numca":
+        if self.estimator == "grpo":  # the chain [group mean, R]: R − mean on every token (GRPO once scaled)
+            r = ro.rewards.float().view(-1, self.group_size)
+            adv = (r - r.mean(1, keepdim=True)).view(-1, 1).expand(-1, T)
+        elif self.estimator == "numca":
             adv = self.numca_advantages(ro, T)
         else:
             adv = self.hista_advantages(ro, hidden, T)
