@@ -395,3 +395,13 @@ def test_module_hook_grpo_equals_the_core_and_numca_follows_the_spec_case(tiny_t
     first, last = adv[:, 0], adv[torch.arange(2), ro.lengths - 1]
     assert first.tolist() == pytest.approx([0.5 / s, -0.5 / s]) and last.tolist() == pytest.approx([0.0, 0.0])
     assert m.numca.value("p", {"3", "5"}) == 1.0  # the table was filled with the batch before the advantages
+
+
+def test_value_head_cv_picks_a_strong_ridge_for_noise_and_a_weak_one_for_signal():
+    torch.manual_seed(0)
+    X, groups = torch.randn(400, 20), torch.arange(400) // 10
+    noise = (torch.rand(400) > 0.5).float()  # rewards independent of the states: the mean is the best value
+    head = ValueHead(20).fit_cv(X, noise, groups)
+    assert head.ridge >= 1e2 and (head(X) - noise.mean()).abs().max() < 0.1
+    signal = X @ torch.randn(20)
+    assert ValueHead(20).fit_cv(X, signal, groups).ridge <= 1e-1

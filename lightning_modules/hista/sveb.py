@@ -8,7 +8,8 @@ prefix → V_mc, the unbiased target. Estimators of V at the cut:
   longer nodes are masked), k from the schedule at the cut's intermediate-state index ([INF]: the spec leaves it);
 - ``numca``: the 32 samples' table, V(state reached by the cut) — the numbers that end before it (characters);
 - ``ppo-1`` / ``ppo-n``: a value head on the frozen policy's states fitted by regression to each response's
-  reward on ``critic_tokens`` random tokens per response (``rl/critic.py``; ridge ``critic_ridge``, clamped to [0, 1]), on ``critic_problems`` training
+  reward on ``critic_tokens`` random tokens per response (``rl/critic.py``; ridge chosen on held-out problems,
+  clamped to [0, 1]), on ``critic_problems`` training
   problems (outside SVEB) / on 80% of the SVEB problems (by hash), scored on the other 20%.
 
 Metrics (:func:`sveb_metrics`, also over stored JSON): MAE(V_est, V_mc) per estimator, MAE(V_grpo, V_mc), and
@@ -69,14 +70,13 @@ def cut_points(pieces: list[str]) -> list[int]:
 
 class SVEBModule(HistaModule):
     def __init__(self, *args, mcs_num: int = 20, sveb_field: str = "number", critic_problems: int = 64,
-                 critic_tokens: int = 8, critic_split: float = 0.8, critic_ridge: float = 1.0, sveb_seed: int = 42, **kwargs):
+                 critic_tokens: int = 8, critic_split: float = 0.8, sveb_seed: int = 42, **kwargs):
         super().__init__(*args, **kwargs)
         check_field(sveb_field)
         if mcs_num < 1 or critic_tokens < 1 or not 0 < critic_split < 1:
             raise ValueError("model.mcs_num and model.critic_tokens must be >= 1, model.critic_split in (0, 1)")
         self.mcs_num, self.sveb_field, self.critic_problems = mcs_num, sveb_field, critic_problems
         self.critic_tokens, self.critic_split, self.sveb_seed = critic_tokens, critic_split, sveb_seed
-        self.critic_ridge = critic_ridge
         self.results: dict = {}
 
     # --- sampling ---------------------------------------------------------------------------------------
@@ -106,14 +106,15 @@ class SVEBModule(HistaModule):
     def on_test_epoch_start(self):
         self._cases, self._feats = [], []
         self._gen = torch.Generator().manual_seed(self.sveb_seed)
-        feats, targets = [], []
+        feats, targets, groups = [], [], []
         dm = self.trainer.datamodule
-        for item in [dm.train_set[i] for i in range(min(self.critic_problems, len(dm.train_set)))]:  # ppo-1's data
+        for g, item in enumerate([dm.train_set[i] for i in range(min(self.critic_problems, len(dm.train_set)))]):
             ro = self.sample(item["prompt_ids"], item["prompt"], item["answer"], self.group_size, self.max_new_tokens)
-            f, t = self.token_features(ro, self.states(ro), self._gen)
+            f, t = self.token_features(ro, self.states(ro), self._gen)  # ppo-1's data: problems outside SVEB
             feats.append(f)
             targets.append(t)
-        self._critic1 = (torch.cat(feats), torch.cat(targets)) if feats else None
+            groups.append(torch.full((len(t),), g))
+        self._critic1 = (torch.cat(feats), torch.cat(targets), torch.cat(groups)) if feats else None
 
     @torch.no_grad()
     def test_step(self, batch, batch_idx):
@@ -161,14 +162,13 @@ class SVEBModule(HistaModule):
         if cases:
             cut = torch.stack([c for c, _, _ in self._feats])
             if self._critic1 is not None:
-                v1 = ValueHead(cut.shape[-1]).fit(*self._critic1, ridge=self.critic_ridge)(cut).clamp(0, 1)
+                v1 = ValueHead(cut.shape[-1]).fit_cv(*self._critic1)(cut).clamp(0, 1)
                 for c, v in zip(cases, v1.tolist()):
                     c["estimates"]["ppo-1"] = v
             train = [int(stable_hash(c["id"]), 16) % 1000 < 1000 * self.critic_split for c in cases]
             if any(train) and not all(train):
-                head = ValueHead(cut.shape[-1]).fit(torch.cat([f for (_, f, _), tr in zip(self._feats, train) if tr]),
-                                                    torch.cat([y for (_, _, y), tr in zip(self._feats, train) if tr]),
-                                                    ridge=self.critic_ridge)
+                rows = [(f, y, torch.full((len(y),), i)) for i, ((_, f, y), tr) in enumerate(zip(self._feats, train)) if tr]
+                head = ValueHead(cut.shape[-1]).fit_cv(*(torch.cat(x) for x in zip(*rows)))
                 vn = head(cut).clamp(0, 1)  # a value of 0/1 rewards
                 for c, v, tr in zip(cases, vn.tolist(), train):
                     c["estimates"]["ppo-n"] = None if tr else v
