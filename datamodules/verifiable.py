@@ -13,7 +13,10 @@ Files: ``val_files`` / ``test_files`` give a split from its own files (GSM8K: ``
 validation hashed out of the training file); without them val and test are hashed out of ``files``, never the
 training records themselves. Checkpoints are selected on val; ``test_dataloader`` serves test, which nothing else reads.
 
-Each item is ``{"prompt": str, "answer": str, "solution": str, "prompt_ids": list[int]}``; a batch keeps lists.
+Each item is ``{"prompt": str, "answer": str, "solution": str, "prompt_ids": list[int], "id": str}``; a batch keeps
+lists. ``id`` is a stable hash of the problem's key (per-problem state tables, e.g. Numca's, persist on it).
+``dynamic_sampling_scale`` = k serves k · batch_size training prompts per batch; the RL module keeps the
+batch_size whose group accuracy is nearest 0.5 (the Hista recipes' over-sampling, k = 2).
 Prompts read ``"Question: ...\\nAnswer:"``; a solution is the completion the supervised warm-up teaches.
 """
 from __future__ import annotations
@@ -24,6 +27,7 @@ import lightning as L
 from torch.utils.data import DataLoader, Dataset
 
 from datamodules.common.answers import extract_answer
+from datamodules.common.cache import stable_hash
 from datamodules.common.sampling import StepStreamSampler
 from datamodules.common.splits import SPLITS, check_fractions, split_of
 
@@ -114,7 +118,8 @@ class Problems(Dataset):
         for p in problems:
             prompt = PROMPT.format(q=p["question"])
             ids = tokenizer(prompt, add_special_tokens=False)["input_ids"][-max_prompt_tokens:]
-            self.items.append({"prompt": prompt, "answer": p["answer"], "solution": p["solution"], "prompt_ids": ids})
+            self.items.append({"prompt": prompt, "answer": p["answer"], "solution": p["solution"], "prompt_ids": ids,
+                               "id": stable_hash(p.get("key", p["question"]))})
 
     def __len__(self):
         return len(self.items)
@@ -132,8 +137,11 @@ class VerifiableDataModule(L.LightningDataModule):
                  question_field: str | None = None, answer_field: str | None = None, digits: int = 2,
                  operations=("+", "-"), val_fraction: float = 0.2, test_fraction: float = 0.2, n_train: int = 20000,
                  n_val: int | None = 64, n_test: int | None = 64, batch_size: int = 8, eval_batch_size: int = 32,
-                 max_prompt_tokens: int = 512, num_workers: int = 0, seed: int = 0):
+                 max_prompt_tokens: int = 512, num_workers: int = 0, seed: int = 0, dynamic_sampling_scale: int = 1):
         super().__init__()
+        if dynamic_sampling_scale < 1:
+            raise ValueError(f"data.dynamic_sampling_scale={dynamic_sampling_scale}: must be an integer >= 1 (1 = off)")
+        self.dynamic_sampling_scale = int(dynamic_sampling_scale)
         if task not in TASKS:
             raise ValueError(f"data.task={task!r}: choose one of {', '.join(TASKS)}")
         check_fractions(val_fraction, test_fraction)
@@ -180,8 +188,9 @@ class VerifiableDataModule(L.LightningDataModule):
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         steps = trainer.max_steps if trainer is not None and trainer.max_steps and trainer.max_steps > 0 else 1000
         # one batch of prompts gives >= 1 optimizer step, so max_steps batches always suffice
-        sampler = StepStreamSampler(len(self.train_set), steps * self.batch_size, seed=self.seed, rank=rank, world_size=world)
-        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler, collate_fn=collate,
+        size = self.batch_size * self.dynamic_sampling_scale
+        sampler = StepStreamSampler(len(self.train_set), steps * size, seed=self.seed, rank=rank, world_size=world)
+        return DataLoader(self.train_set, batch_size=size, sampler=sampler, collate_fn=collate,
                           num_workers=self.num_workers, drop_last=True)
 
     def val_dataloader(self):

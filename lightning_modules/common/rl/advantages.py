@@ -55,3 +55,42 @@ def compute_advantages(name: str, rewards: torch.Tensor, group_size: int) -> tor
     if name not in ADVANTAGES:
         raise ValueError(f"model.advantage={name!r}: choose one of {', '.join(ADVANTAGES)}")
     return ADVANTAGES[name](rewards, group_size)
+
+
+SCALE_REWARDS = ("group", "none")
+
+
+def scale_rewards(adv: torch.Tensor, rewards: torch.Tensor, group_size: int, mode: str = "group",
+                  eps: float = 1e-4) -> torch.Tensor:
+    """Advantages (N,) or (N, T) divided by their group's reward std + ``eps`` (``group``, TRL's default
+    ``scale_rewards``; unbiased std as :func:`grpo_advantages`) or left as they are (``none``)."""
+    if mode not in SCALE_REWARDS:
+        raise ValueError(f"model.scale_rewards={mode!r}: choose one of {', '.join(SCALE_REWARDS)}")
+    if mode == "none":
+        return adv
+    r = _groups(rewards, group_size)
+    std = (r.std(dim=1) if group_size > 1 else torch.zeros(len(r), device=r.device)).repeat_interleave(group_size)
+    return adv / (std.view(-1, *[1] * (adv.ndim - 1)).to(adv.device) + eps)
+
+
+def segment_gae(values, boundaries, T: int, lam: float = 1.0) -> torch.Tensor:
+    """Token advantages (T,) from a chain of state values (γ = 1).
+
+    ``values`` = [V_0, …, V_m] (V_m is the return R) and ``boundaries`` = [p_0, …, p_m] token positions (p_0 the
+    response start, p_m its end): segment i = tokens [p_{i-1}, p_i) gets A_i = Σ_{l≥0} λ^l δ_{i+l} with
+    δ_i = V_i − V_{i−1}. So λ = 1 gives R − V_{i−1} (the value at the segment's start), λ = 0 gives δ_i. Tokens
+    before p_0 or from p_m on (padding) get 0; an empty segment passes its δ on through the λ-sum only."""
+    v = torch.as_tensor(values, dtype=torch.float32)
+    b = torch.as_tensor(boundaries, dtype=torch.long)
+    if v.ndim != 1 or b.shape != v.shape or len(v) < 2:
+        raise ValueError(f"segment_gae needs m+1 >= 2 values and as many boundaries, got {tuple(v.shape)}, {tuple(b.shape)}")
+    delta = v[1:] - v[:-1]
+    adv = torch.zeros_like(delta)
+    acc = 0.0
+    for i in range(len(delta) - 1, -1, -1):
+        acc = float(delta[i]) + lam * acc
+        adv[i] = acc
+    t = torch.arange(T)
+    seg = torch.searchsorted(b[1:].contiguous(), t, right=True)  # segment index of token t (its first p_i > t)
+    inside = (t >= b[0]) & (t < b[-1])
+    return torch.where(inside, adv[seg.clamp_max(len(adv) - 1)], torch.zeros(()))

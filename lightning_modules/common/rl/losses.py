@@ -8,6 +8,9 @@ truncated estimator is unbiased for the full objective (PS-PPO spec 1.4):
 - ``seq_mean``  : (1/N) Σ_i (1/T_i) Σ_t w ℓ   (TRL ``grpo`` / verl ``seq-mean-token-mean``; T_i = full length)
 - ``token_mean``: Σ_i Σ_t w ℓ / Σ_i T_i        (TRL ``dapo``/``bnpo`` / verl ``token-mean``, full token count)
 - ``dr_grpo``   : Σ_i Σ_t w ℓ / (N · L_max)    (Dr. GRPO: constant max-completion-length divisor)
+
+Per-token terms (``policy_loss(loss_type=...)``): ``ppo`` (PPO-clip; TRL's ``dapo`` is this with ``token_mean``
+and ``eps_high`` 0.28) or ``cispo`` (MiniMax-M1's clipped-IS-weight policy gradient, as TRL computes it).
 """
 from __future__ import annotations
 
@@ -40,6 +43,19 @@ def ppo_clip_terms(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor
     return loss, (clipped < unclipped)
 
 
+def cispo_terms(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor,
+                eps_high: float = 5.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token CISPO loss  -sg(min(ρ, ε_high)) A log π  and whether the clip was active. As in TRL,
+    ``eps_high`` is the IS weight's upper bound itself (5.0), not 1 + ε; every token keeps its gradient."""
+    ratio = torch.exp(logp - logp_old)
+    a = adv.unsqueeze(-1) if adv.ndim == 1 else adv
+    weight = ratio.clamp(max=eps_high).detach()
+    return -weight * a * logp, (ratio > eps_high)
+
+
+LOSS_TYPES = ("ppo", "cispo")
+
+
 def k3_kl(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(π_θ‖π_ref) per token: exp(Δ) - Δ - 1 with Δ = log π_ref - log π_θ."""
     delta = logp_ref - logp
@@ -47,12 +63,15 @@ def k3_kl(logp: torch.Tensor, logp_ref: torch.Tensor) -> torch.Tensor:
 
 
 def policy_loss(logp, logp_old, adv, weights, divisor, logp_ref=None, beta: float = 0.0,
-                eps_low: float = 0.2, eps_high: float = 0.2):
+                eps_low: float = 0.2, eps_high: float = 0.2, loss_type: str = "ppo"):
     """Σ_i Σ_t w_it (ℓ_it + β KL_it) / d_i, plus statistics (sums, for the caller to normalise).
 
     ``weights`` is zero on padding and on truncated positions; ``divisor`` comes from :func:`divisors`.
     """
-    terms, clipped = ppo_clip_terms(logp, logp_old, adv, eps_low, eps_high)
+    if loss_type == "cispo":
+        terms, clipped = cispo_terms(logp, logp_old, adv, eps_high)
+    else:
+        terms, clipped = ppo_clip_terms(logp, logp_old, adv, eps_low, eps_high)
     kl = None
     if beta and logp_ref is not None:
         kl = k3_kl(logp, logp_ref)

@@ -38,7 +38,7 @@ import torch
 
 from lightning_modules.common.lm import CausalLMModule, _plain
 from lightning_modules.common.rl.advantages import batch_normalize, compute_advantages
-from lightning_modules.common.rl.losses import AGGREGATIONS, divisors, k3_kl, policy_loss
+from lightning_modules.common.rl.losses import AGGREGATIONS, LOSS_TYPES, divisors, k3_kl, policy_loss
 from lightning_modules.common.rl.scorers import ExactMatch
 from lightning_modules.common.rl.rollouts import (Rollouts, batched_logprobs, generate_rollouts, packed_logprobs,
                                                   response_logprobs)
@@ -84,8 +84,11 @@ class RLModule(CausalLMModule):
                  beta: float = 0.0, max_grad_norm: float | None = 1.0, warmup: Mapping[str, Any] | None = None,
                  val_max_new_tokens: int | None = None, measure_activations: bool = False, packing: bool = False,
                  reward: Callable | None = None,
-                 advantage_batch_norm: bool = False):
+                 advantage_batch_norm: bool = False, loss_type: str = "ppo"):
         super().__init__(backbone, optimizer, scheduler, weight_decay)
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"model.loss_type={loss_type!r}: choose one of {', '.join(LOSS_TYPES)}")
+        self.loss_type = loss_type
         self.reward = reward if reward is not None else ExactMatch()
         self.hparams["reward"] = repr(self.reward)  # the scorer object itself is not plain data
         self._curves: list[dict] = []    # per step, for the dashboard's plots at fit end
@@ -162,6 +165,13 @@ class RLModule(CausalLMModule):
         reward-gated L1 on its gates)."""
         return None
 
+    needs_hidden = False  # True: the π_old pass also keeps the last layer's states for token_advantages
+
+    def token_advantages(self, ro: Rollouts, hidden: torch.Tensor | None) -> torch.Tensor:
+        """Per-token advantages (N, T), computed after the π_old pass (``hidden``: its last-layer states (N, P+T, H)
+        when :attr:`needs_hidden`, else None). Here the group advantage on every token."""
+        return ro.advantages.view(-1, 1).expand(-1, ro.response_mask.shape[1])
+
     # --- one RL step -----------------------------------------------------------------------------
     def score(self, ro: Rollouts, batch) -> torch.Tensor:
         prompts, golds = ([x for x in batch[k] for _ in range(ro.group_size)] for k in ("prompt", "answer"))
@@ -181,12 +191,18 @@ class RLModule(CausalLMModule):
     def update(self, ro: Rollouts, plans: list[tuple[torch.Tensor, torch.Tensor]], step_fn=None) -> dict[str, float]:
         """PPO epochs over minibatches; ``plans[e] = (kept, weights)``. Returns summed statistics."""
         need = torch.stack([k for k, _ in plans]).max(0).values
-        logp_old = batched_logprobs(self.model, ro, need, self.micro_batch_size, self.temperature)
+        logp_old = batched_logprobs(self.model, ro, need, self.micro_batch_size, self.temperature, self.needs_hidden)
+        logp_old, hidden = logp_old if self.needs_hidden else (logp_old, None)
+        t_adv = time.perf_counter()
+        adv = self.token_advantages(ro, hidden)  # (N, T), sliced below to each micro-batch's kept prefix
+        del hidden
+        t_adv = time.perf_counter() - t_adv
         ref = self.reference()
         logp_ref = batched_logprobs(ref, ro, need, self.micro_batch_size, self.temperature) if ref is not None else None
         N, lengths = len(ro), ro.lengths
         stats = {k: 0.0 for k in ("loss", "clipped", "kept", "kl_ref", "kl_old", "grad_norm", "steps", "saved_bytes",
                                   "saved_bytes_sum")}
+        stats["advantage_s"] = t_adv
         gen = torch.Generator().manual_seed(int(self.global_step) * 7 + 1)
         for epoch in range(self.ppo_epochs):
             kept, weights = plans[epoch]
@@ -207,9 +223,9 @@ class RLModule(CausalLMModule):
                             logp = response_logprobs(self.model, ro.input_ids[rows], ro.attention_mask[rows],
                                                      ro.prompt_len, n, self.temperature)
                         w = weights[rows, :n]
-                        loss, st = policy_loss(logp, logp_old[rows, :n], ro.advantages[rows], w, d,
+                        loss, st = policy_loss(logp, logp_old[rows, :n], adv[rows, :n], w, d,
                                                logp_ref[rows, :n] if logp_ref is not None else None, self.beta,
-                                               self.eps_low, self.eps_high)
+                                               self.eps_low, self.eps_high, self.loss_type)
                     stats["saved_bytes"] = max(stats["saved_bytes"], saved.bytes)
                     stats["saved_bytes_sum"] += saved.bytes
                     self.manual_backward(loss)
@@ -281,6 +297,7 @@ class RLModule(CausalLMModule):
                "train/tokens_ratio": kept_tokens / max(1.0, full_tokens),
                "train/prompt_tokens": float(ro.prompt_lengths.sum()) * self.ppo_epochs,
                "train/max_weight": max_w, "train/rollout_s": t1 - t0, "train/update_s": t2 - t1}
+        log["train/advantage_s"] = st["advantage_s"]  # the token_advantages hook's share of update_s
         if self.measure_activations:  # peak bytes saved for backward by one micro-batch (CPU-countable)
             log["train/saved_act_mb"] = st["saved_bytes"] / 2**20
             log["train/saved_act_mb_sum"] = st["saved_bytes_sum"] / 2**20  # over all micro-batches of the step

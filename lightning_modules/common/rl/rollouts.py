@@ -31,6 +31,17 @@ class Rollouts:
     completions: list[str] = field(default_factory=list)
     rewards: torch.Tensor | None = None      # (N,)
     advantages: torch.Tensor | None = None   # (N,)
+    problem_ids: list[str] | None = None     # (N,) the problem each row answers (per-problem state tables)
+
+    def select_groups(self, groups: torch.Tensor) -> "Rollouts":
+        """The rollouts of the given prompt groups only (dynamic sampling), in that order."""
+        G = self.group_size
+        rows = (groups.view(-1, 1).cpu() * G + torch.arange(G)).view(-1)
+        pick = lambda t: None if t is None else t[rows.to(t.device)]  # noqa: E731
+        return Rollouts(self.input_ids[rows.to(self.input_ids.device)], pick(self.attention_mask), self.prompt_len,
+                        pick(self.response_mask), G, [self.completions[i] for i in rows.tolist()] if self.completions else [],
+                        pick(self.rewards), pick(self.advantages),
+                        [self.problem_ids[i] for i in rows.tolist()] if self.problem_ids else None)
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -104,36 +115,47 @@ def generate_rollouts(model, prompts: list[list[int]], group_size: int, max_new_
 
 
 def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
-                      n_response: int, temperature: float = 1.0) -> torch.Tensor:
+                      n_response: int, temperature: float = 1.0, return_hidden: bool = False):
     """log π(y_t | x, y_<t) for response tokens t = 1..n_response, from a forward over ``[:, :P + n_response]``.
 
     Only the kept prefix is fed to the model, so compute and activation memory scale with P + n_response.
+    ``return_hidden``: also the last layer's states over those columns, (rows, P + n_response, H).
     """
     end = prompt_len + n_response
     ids, mask = input_ids[:, :end], attention_mask[:, :end]
     out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False,
-                logits_to_keep=n_response + 1)
+                logits_to_keep=n_response + 1, output_hidden_states=return_hidden)
     logits = out.logits[:, :-1].float()  # positions P-1 .. end-2 predict tokens P .. end-1
     if temperature and temperature != 1.0:
         logits = logits / temperature
     targets = ids[:, prompt_len:end]
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return (logp, out.hidden_states[-1]) if return_hidden else logp
 
 
 @torch.no_grad()
-def batched_logprobs(model, ro: Rollouts, need: torch.Tensor, micro_batch_size: int, temperature: float = 1.0) -> torch.Tensor:
+def batched_logprobs(model, ro: Rollouts, need: torch.Tensor, micro_batch_size: int, temperature: float = 1.0,
+                     return_hidden: bool = False):
     """No-grad log-probs (N, T) of each row's first ``need[i]`` response tokens (zeros beyond), micro-batched
-    with rows sorted by need so each forward is trimmed to its own longest prefix."""
+    with rows sorted by need so each forward is trimmed to its own longest prefix. ``return_hidden``: also the
+    last layer's states (N, P+T, H) in the model's dtype, over the same columns (zeros beyond)."""
     N, T = ro.response_mask.shape
     out = torch.zeros((N, T), device=ro.input_ids.device)
+    hidden = None
     order = torch.argsort(need, stable=True)
     for chunk in torch.split(order, micro_batch_size):
         n = int(need[chunk].max())
         if n == 0:
             continue
-        out[chunk, :n] = response_logprobs(model, ro.input_ids[chunk], ro.attention_mask[chunk], ro.prompt_len, n,
-                                           temperature).float()
-    return out
+        res = response_logprobs(model, ro.input_ids[chunk], ro.attention_mask[chunk], ro.prompt_len, n, temperature,
+                                return_hidden)
+        if return_hidden:
+            res, h = res
+            if hidden is None:
+                hidden = h.new_zeros((N, ro.input_ids.shape[1], h.shape[-1]))
+            hidden[chunk, :h.shape[1]] = h
+        out[chunk, :n] = res.float()
+    return (out, hidden) if return_hidden else out
 
 
 def packed_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_len: int,
