@@ -46,6 +46,9 @@ class FitResult:
     heldout_rel_err: float | None = None
     objective: float = float("nan")
     frozen: dict[str, float] = field(default_factory=dict)
+    heldout_max_rel_err: float | None = None  # the max absolute relative error beside the mean (InfoLaw's metric)
+    fit_rel_err: float | None = None          # mean and max absolute relative error on the fitted rows
+    fit_max_rel_err: float | None = None
 
 
 def _minimise(law: Law, X: dict, logy: torch.Tensor, x0: np.ndarray, free: np.ndarray, delta: float):
@@ -61,7 +64,8 @@ def _minimise(law: Law, X: dict, logy: torch.Tensor, x0: np.ndarray, free: np.nd
         loss.backward()
         return float(loss.detach()), zt.grad.numpy().copy()
 
-    res = minimize(objective, x0[free], jac=True, method="L-BFGS-B", options={"maxiter": 2000})
+    res = minimize(objective, x0[free], jac=True, method="L-BFGS-B",
+                   options={"maxiter": 2000, **getattr(law, "polish_options", {})})
     theta = x0.copy()
     theta[free] = res.x
     return theta, float(res.fun)
@@ -148,6 +152,37 @@ def heldout_corner(df: pd.DataFrame, inputs=("N", "D")) -> np.ndarray:
     return mask
 
 
+def holdout_mask(df: pd.DataFrame, holdout) -> np.ndarray:
+    """Rows to hold out: ``"corner"`` (largest N and D), ``"col=value"`` (rows where the column equals the value;
+    ``col=max`` / ``col=min`` for its extreme), or a list of these (their union)."""
+    if isinstance(holdout, str):
+        holdout = [holdout]
+    mask = np.zeros(len(df), dtype=bool)
+    for spec in holdout:
+        if spec == "corner":
+            mask |= heldout_corner(df)
+            continue
+        col, sep, val = spec.partition("=")
+        if not sep or col not in df:
+            raise ValueError(f"holdout {spec!r}: write 'corner' or '<column>=<value>' with a column of the table "
+                             f"({', '.join(map(str, df.columns))})")
+        x = df[col]
+        if val in ("max", "min"):
+            mask |= (x == getattr(x, val)()).to_numpy()
+        elif pd.api.types.is_numeric_dtype(x):
+            mask |= np.isclose(x.to_numpy(dtype=np.float64), float(val), rtol=1e-9, atol=0.0)
+        else:
+            mask |= (x.astype(str) == val).to_numpy()
+    return mask
+
+
+def rel_errors(law: Law, theta, df: pd.DataFrame) -> np.ndarray:
+    """|predicted − observed| / observed per row."""
+    p = law.predict(theta, {c: df[c].to_numpy(dtype=np.float64) for c in law.inputs})
+    obs = df[law.target].to_numpy(dtype=np.float64)
+    return np.abs(p - obs) / np.abs(obs)
+
+
 def fit_law(law: Law | str, df: pd.DataFrame, huber_delta: float | None = None, holdout: np.ndarray | str | None = "corner",
             top_k: int = 8, init: np.ndarray | None = None) -> FitResult:
     law = get_law(law) if isinstance(law, str) else law
@@ -159,9 +194,9 @@ def fit_law(law: Law | str, df: pd.DataFrame, huber_delta: float | None = None, 
     dropped = df[bad].to_dict("records")
     df = df[~bad].reset_index(drop=True)
     hold = np.zeros(len(df), dtype=bool)
-    if isinstance(holdout, str) and holdout == "corner":
-        hold = heldout_corner(df)
-    elif holdout is not None and not isinstance(holdout, str):
+    if isinstance(holdout, str) or (isinstance(holdout, (list, tuple)) and holdout and isinstance(holdout[0], str)):
+        hold = holdout_mask(df, holdout)
+    elif holdout is not None:
         hold = np.asarray(holdout, dtype=bool)[~bad]
     if (~hold).sum() < len(law.params) + 1:  # too few rows to hold any out
         hold[:] = False
@@ -198,6 +233,8 @@ def fit_law(law: Law | str, df: pd.DataFrame, huber_delta: float | None = None, 
     result = FitResult(law=law.name, constants=law.constants(theta), theta=[float(t) for t in theta],
                        r2_log=1.0 - ss_res / ss_tot if ss_tot > 0 else float("nan"), n_fit=len(train),
                        dropped=dropped, objective=obj, frozen=frozen)
+    fit_rel = rel_errors(law, theta, train)
+    result.fit_rel_err, result.fit_max_rel_err = float(fit_rel.mean()), float(fit_rel.max())
     if hold.any():
         test = df[hold]
         p = law.predict(theta, {c: test[c].to_numpy(dtype=np.float64) for c in law.inputs})
@@ -206,6 +243,7 @@ def fit_law(law: Law | str, df: pd.DataFrame, huber_delta: float | None = None, 
         result.heldout = [{**{c: float(r[c]) for c in law.inputs}, "observed": float(o), "predicted": float(q),
                            "rel_err": float(e)} for (_, r), o, q, e in zip(test.iterrows(), obs, p, rel)]
         result.heldout_rel_err = float(rel.mean())
+        result.heldout_max_rel_err = float(rel.max())
     return result
 
 
