@@ -351,6 +351,21 @@ def qat_report(table: pd.DataFrame, huber_delta: float | None = None, n_boot: in
     return out
 
 
+# --- data laws (infolaw): buckets and quality scores from the table's w_<k>, U_<k>, s_<k> columns ------------
+DATA_LAWS = ("infolaw", "muennighoff", "mixing")
+
+
+def data_law_options(table: pd.DataFrame, law: str) -> dict:
+    """The bucket names (from the w_<k> columns) and, for InfoLaw, each bucket's quality score s_<k>."""
+    buckets = [c[2:] for c in table.columns if c.startswith("w_")]
+    if not buckets:
+        raise ValueError(f"law {law!r} needs per-bucket columns w_<k>, U_<k> (sweeps.collect.infolaw_table builds them)")
+    options: dict = {"buckets": buckets}
+    if law == "infolaw" and all(f"s_{k}" in table for k in buckets):
+        options["quality"] = [float(table[f"s_{k}"].iloc[0]) for k in buckets]
+    return options
+
+
 def markdown(report: dict) -> str:
     lines = ["| fit | constants | R² (log) | rows | held-out rel. err | dropped (target ≤ 0) |", "|---|---|---|---|---|---|"]
     for name, f in report["fits"].items():
@@ -358,6 +373,8 @@ def markdown(report: dict) -> str:
         if f["frozen"]:
             consts += " (frozen: " + ", ".join(f["frozen"]) + ")"
         held = "—" if f["heldout_rel_err"] is None else f"{100 * f['heldout_rel_err']:.1f}% ({len(f['heldout'])} rows)"
+        if f.get("heldout_max_rel_err") is not None and f["law"] in DATA_LAWS:  # the InfoLaw metric: mean and max
+            held = f"{100 * f['heldout_rel_err']:.2f}% mean, {100 * f['heldout_max_rel_err']:.2f}% max ({len(f['heldout'])} rows)"
         lines.append(f"| {name} | {consts} | {f['r2_log']:.3f} | {f['n_fit']} | {held} | {len(f['dropped'])} |")
     for name, why in report["skipped"].items():
         lines.append(f"| {name} | skipped: {why} | | | | |")
@@ -375,7 +392,9 @@ def markdown(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from sweeps.collect import collect, qat_table
+    import yaml
+
+    from sweeps.collect import collect, infolaw_table, qat_table
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("sources", nargs="+", help="multirun dirs (collected) or one CSV table")
@@ -386,6 +405,10 @@ def main(argv=None) -> int:
                     help="refit B times on resampled replicates (--by) per cell: SE and a --level interval per parameter")
     ap.add_argument("--by", default="seed", help="the replicate column the bootstrap resamples (default: seed)")
     ap.add_argument("--level", type=float, default=0.9, help="the bootstrap interval's coverage (default: 0.9)")
+    ap.add_argument("--holdout", action="append", default=None,
+                    help="rows to hold out: corner (default) | <column>=<value> | <column>=max (repeatable: the union)")
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="a law option (YAML value), e.g. --option quality=[1,0] --option form=joint (repeatable)")
     ap.add_argument("--out", default=None, help="output prefix: <out>.csv, <out>_fit.json, <out>_fit.md, <out>.png")
     ap.add_argument("--wandb", action="store_true",
                     help="also log the table, constants and plot to a W&B run in the sweep's group (multirun/<dir name>)")
@@ -403,7 +426,8 @@ def main(argv=None) -> int:
         table, failures = pd.read_csv(args.sources[0]), []
     else:
         jobs, failures = collect(*args.sources)
-        table = qat_table(jobs) if args.law == "qat_delta" else pd.DataFrame([j["flat"] for j in jobs])
+        table = qat_table(jobs) if args.law == "qat_delta" else infolaw_table(jobs) if args.law in DATA_LAWS \
+            else pd.DataFrame([j["flat"] for j in jobs])
     for cond in args.where:
         col, val = cond.split("=", 1)
         table = table[table[col].astype(str) == val]
@@ -412,10 +436,14 @@ def main(argv=None) -> int:
     if args.law == "qat_delta":
         report = qat_report(table, args.huber_delta, args.bootstrap, args.by, args.level)
     else:
-        report = {"fits": {args.law: asdict(fit_law(args.law, table, args.huber_delta))}, "skipped": {}, "claims": {},
-                  "bootstrap": {}}
+        options = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.option)}
+        if args.law in DATA_LAWS:
+            options = {**data_law_options(table, args.law), **options}
+        law = get_law(args.law, **options)
+        report = {"fits": {args.law: asdict(fit_law(law, table, args.huber_delta, holdout=args.holdout or "corner"))},
+                  "skipped": {}, "claims": {}, "bootstrap": {}}
         if args.bootstrap:
-            report["bootstrap"][args.law] = bootstrap_fit(args.law, table, args.bootstrap, args.by, args.level,
+            report["bootstrap"][args.law] = bootstrap_fit(law, table, args.bootstrap, args.by, args.level,
                                                           huber_delta=args.huber_delta)
     report["failed_jobs"] = [{"dir": f["dir"], "status": f["status"]} for f in failures]
     text = markdown(report)
@@ -426,9 +454,13 @@ def main(argv=None) -> int:
         table.to_csv(out.with_name(out.name + ".csv"), index=False)
         out.with_name(out.name + "_fit.json").write_text(json.dumps(report, indent=2, default=float))
         out.with_name(out.name + "_fit.md").write_text(text)
-        from sweeps.plot import plot_report
+        from sweeps.plot import plot_mixture, plot_report
 
-        plot_report(table, report, out.with_name(out.name + ".png"), loggers=loggers)
+        if args.law in DATA_LAWS:
+            plot_mixture(table, law, report["fits"][args.law]["theta"], out.with_name(out.name + ".png"),
+                         law.buckets[0], loggers=loggers)
+        else:
+            plot_report(table, report, out.with_name(out.name + ".png"), loggers=loggers)
         print(f"wrote {out}.csv, {out}_fit.json, {out}_fit.md, {out}.png")
     if loggers:
         import wandb
