@@ -214,22 +214,26 @@ class InfoLaw(Law):
             c.update({f"rho_{k}": float(np.exp(c[f"log_rho_{k}"])) for k in self.buckets[1:]})
         return c
 
-    def best_recipe(self, theta, N: float, D: float, U, steps: int = 3000, lr: float = 0.05) -> np.ndarray:
-        """The weights w on the simplex that maximise I (so minimise L) at (N, D, U): gradient ascent on softmax
-        logits (I is concave in w: f is concave)."""
+    def best_recipe(self, theta, N: float, D: float, U, steps: int = 200) -> np.ndarray:
+        """The weights w on the simplex that maximise I (so minimise L) at (N, D, U): L-BFGS gradient steps on
+        softmax logits (I is concave in w, as f is concave: one optimum)."""
         t = torch.as_tensor(np.asarray(theta, dtype=np.float64))
         U = torch.as_tensor(np.asarray(U, dtype=np.float64))
         logits = torch.zeros(len(self.buckets), dtype=torch.float64, requires_grad=True)
-        opt = torch.optim.Adam([logits], lr=lr)
+        opt = torch.optim.LBFGS([logits], lr=1.0, max_iter=steps, tolerance_grad=1e-12, tolerance_change=1e-15,
+                                line_search_fn="strong_wolfe")
         full = lambda v: torch.full((), float(v), dtype=torch.float64)
-        for _ in range(steps):
+
+        def closure():
+            opt.zero_grad()
             w = torch.softmax(logits, 0)
             X = {"N": full(N), "D": full(D), **{f"w_{k}": w[i] for i, k in enumerate(self.buckets)},
                  **{f"U_{k}": U[i] for i, k in enumerate(self.buckets)}}
             loss = -self.information(t, X) / D
-            opt.zero_grad()
             loss.backward()
-            opt.step()
+            return loss
+
+        opt.step(closure)
         return torch.softmax(logits, 0).detach().numpy()
 
 
