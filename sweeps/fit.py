@@ -290,6 +290,33 @@ def bootstrap_fit(law: Law | str, df: pd.DataFrame, n_boot: int = 1000, by: str 
             "replicates": int(df[by].nunique()), "fit": asdict(full), "params": params}
 
 
+def case_bootstrap_fit(law: Law | str, df: pd.DataFrame, n_boot: int = 1000, level: float = 0.9, seed: int = 0,
+                       huber_delta: float | None = None, holdout=None) -> dict:
+    """``bootstrap_fit`` for a sweep with one seed per cell: refit on ``n_boot`` resamples of the fitted rows (cells)
+    with replacement, each from the full fit; per parameter the estimate, SE and ``level`` percentile interval."""
+    law = get_law(law) if isinstance(law, str) else law
+    full = fit_law(law, df, huber_delta, holdout=holdout)
+    held = {tuple(r[c] for c in law.inputs) for r in full.heldout}
+    rows = df.dropna(subset=[*law.inputs, law.target])
+    kept = np.array([tuple(r) not in held for r in rows[list(law.inputs)].itertuples(index=False)], dtype=bool)
+    rows = rows[(rows[law.target].to_numpy() > 0) & kept]
+    rng = np.random.default_rng(seed)
+    thetas, failed = [], 0
+    for _ in range(n_boot):
+        try:
+            thetas.append(fit_law(law, rows.iloc[rng.integers(0, len(rows), len(rows))], huber_delta, holdout=None,
+                                  top_k=0, init=np.asarray(full.theta)).theta)
+        except ValueError:
+            failed += 1
+    thetas = np.asarray(thetas)
+    a = (1.0 - level) / 2.0
+    params = {p: {"estimate": full.theta[i], "se": float(thetas[:, i].std(ddof=1)),
+                  "lo": float(np.quantile(thetas[:, i], a)), "hi": float(np.quantile(thetas[:, i], 1.0 - a))}
+              for i, p in enumerate(law.params) if p not in full.frozen}
+    return {"by": "cell", "level": level, "n_boot": n_boot, "failed": failed, "n_cells": len(rows), "replicates": 1,
+            "fit": asdict(full), "params": params}
+
+
 def sign_verdict(lo: float, hi: float, sign: int) -> str:
     """held: the interval excludes 0 on the expected side; not_held: on the other; inconclusive: it contains 0."""
     if lo > 0 or hi < 0:
@@ -403,7 +430,8 @@ def main(argv=None) -> int:
     ap.add_argument("--huber-delta", type=float, default=None)
     ap.add_argument("--bootstrap", type=int, default=0, metavar="B",
                     help="refit B times on resampled replicates (--by) per cell: SE and a --level interval per parameter")
-    ap.add_argument("--by", default="seed", help="the replicate column the bootstrap resamples (default: seed)")
+    ap.add_argument("--by", default="seed", help="the replicate column the bootstrap resamples (default: seed; "
+                    "cell: resample the fitted cells, for a sweep with one seed)")
     ap.add_argument("--level", type=float, default=0.9, help="the bootstrap interval's coverage (default: 0.9)")
     ap.add_argument("--holdout", action="append", default=None,
                     help="rows to hold out: corner (default) | <column>=<value> | <column>=max (repeatable: the union)")
@@ -442,7 +470,10 @@ def main(argv=None) -> int:
         law = get_law(args.law, **options)
         report = {"fits": {args.law: asdict(fit_law(law, table, args.huber_delta, holdout=args.holdout or "corner"))},
                   "skipped": {}, "claims": {}, "bootstrap": {}}
-        if args.bootstrap:
+        if args.bootstrap and args.by == "cell":  # one seed per cell: resample the cells
+            report["bootstrap"][args.law] = case_bootstrap_fit(law, table, args.bootstrap, args.level,
+                                                               huber_delta=args.huber_delta, holdout=args.holdout or "corner")
+        elif args.bootstrap:
             report["bootstrap"][args.law] = bootstrap_fit(law, table, args.bootstrap, args.by, args.level,
                                                           huber_delta=args.huber_delta)
     report["failed_jobs"] = [{"dir": f["dir"], "status": f["status"]} for f in failures]

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from sweeps.fit import fit_law, holdout_mask
+from sweeps.fit import FitResult, case_bootstrap_fit, fit_law, holdout_mask
 from sweeps.laws import ChinchillaLaw, InfoLaw, MixingLaw, MuennighoffLaw, best_recipe, get_law, repetition
 
 TWO = dict(buckets=("hq", "lq"), quality=(1.0, 0.0))
@@ -76,8 +76,13 @@ def test_planted_infolaw_is_recovered_and_predicts_held_out_mixtures():
     law = InfoLaw(**TWO)
     df = tiny_grid()
     df["loss"] = law.predict(theta_of(TRUTH), df) * (1 + 0.002 * np.random.default_rng(0).standard_normal(len(df)))
-    res = fit_law(law, df, holdout="w_hq=0.7")
+    boot = case_bootstrap_fit(law, df, n_boot=6, holdout="w_hq=0.7")  # the fit, then 6 refits on resampled cells
+    res = FitResult(**boot["fit"])
     assert len(res.heldout) == 9 and all(r["w_hq"] == 0.7 for r in res.heldout)
+    assert boot["n_cells"] == 36 and boot["failed"] == 0
+    for k, v in boot["params"].items():
+        assert v["lo"] <= v["hi"] and v["se"] > 0, k
+    assert boot["params"]["eta"]["lo"] > 0  # scale-dependent returns are resolved at this noise
     c = res.constants
     for k in ("theta", "R0", "eta", "B", "E", "alpha", "beta"):
         assert abs(c[k] / TRUTH[k] - 1) < 0.1, (k, c[k], TRUTH[k])
