@@ -313,7 +313,7 @@ def case_bootstrap_fit(law: Law | str, df: pd.DataFrame, n_boot: int = 1000, lev
     params = {p: {"estimate": full.theta[i], "se": float(thetas[:, i].std(ddof=1)),
                   "lo": float(np.quantile(thetas[:, i], a)), "hi": float(np.quantile(thetas[:, i], 1.0 - a))}
               for i, p in enumerate(law.params) if p not in full.frozen}
-    return {"by": "cell", "level": level, "n_boot": n_boot, "failed": failed, "n_cells": len(rows), "replicates": 1,
+    return {"by": "cell", "level": level, "n_boot": n_boot, "failed": failed, "n_cells": len(rows), "replicates": len(rows),
             "fit": asdict(full), "params": params}
 
 
