@@ -71,6 +71,13 @@ def qat_table(jobs: list[dict]) -> pd.DataFrame:
     return add_deltas(table)
 
 
+def infolaw_table(jobs: list[dict]) -> pd.DataFrame:
+    """One row per job from ``results.infolaw``: N, D, per bucket w_k, U_k, s_k, D_k, e_k, and the clean test loss."""
+    rows = [{**job["metrics"]["results"]["infolaw"], "seed": job["seed"], "job": job["dir"]}
+            for job in jobs if job["metrics"].get("results", {}).get("infolaw")]
+    return pd.DataFrame(rows)
+
+
 def add_deltas(table: pd.DataFrame, keys=("N", "D", "seed"), reference: str = "fp", by: str = "precision",
                value: str = "loss", out: str = "delta") -> pd.DataFrame:
     """``out`` = value − value of the ``reference`` row with the same keys (same job first, else any job)."""
@@ -91,9 +98,10 @@ def main(argv=None) -> int:
     ap.add_argument("dirs", nargs="+")
     ap.add_argument("--out", required=True, help="a .csv or .parquet path")
     ap.add_argument("--qat", action="store_true", help="one row per QAT variant (results.qat_law.rows)")
+    ap.add_argument("--infolaw", action="store_true", help="one row per mixture job (results.infolaw)")
     args = ap.parse_args(argv)
     jobs, failures = collect(*args.dirs)
-    table = qat_table(jobs) if args.qat else pd.DataFrame([j["flat"] for j in jobs])
+    table = qat_table(jobs) if args.qat else infolaw_table(jobs) if args.infolaw else pd.DataFrame([j["flat"] for j in jobs])
     for f in failures:
         print(f"excluded failed job {f['dir']}: {f['status'][:200]}")
     (table.to_parquet if args.out.endswith(".parquet") else table.to_csv)(args.out, index=False)

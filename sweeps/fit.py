@@ -46,6 +46,9 @@ class FitResult:
     heldout_rel_err: float | None = None
     objective: float = float("nan")
     frozen: dict[str, float] = field(default_factory=dict)
+    heldout_max_rel_err: float | None = None  # the max absolute relative error beside the mean (InfoLaw's metric)
+    fit_rel_err: float | None = None          # mean and max absolute relative error on the fitted rows
+    fit_max_rel_err: float | None = None
 
 
 def _minimise(law: Law, X: dict, logy: torch.Tensor, x0: np.ndarray, free: np.ndarray, delta: float):
@@ -61,7 +64,8 @@ def _minimise(law: Law, X: dict, logy: torch.Tensor, x0: np.ndarray, free: np.nd
         loss.backward()
         return float(loss.detach()), zt.grad.numpy().copy()
 
-    res = minimize(objective, x0[free], jac=True, method="L-BFGS-B", options={"maxiter": 2000})
+    res = minimize(objective, x0[free], jac=True, method="L-BFGS-B",
+                   options={"maxiter": 2000, **getattr(law, "polish_options", {})})
     theta = x0.copy()
     theta[free] = res.x
     return theta, float(res.fun)
@@ -148,6 +152,37 @@ def heldout_corner(df: pd.DataFrame, inputs=("N", "D")) -> np.ndarray:
     return mask
 
 
+def holdout_mask(df: pd.DataFrame, holdout) -> np.ndarray:
+    """Rows to hold out: ``"corner"`` (largest N and D), ``"col=value"`` (rows where the column equals the value;
+    ``col=max`` / ``col=min`` for its extreme), or a list of these (their union)."""
+    if isinstance(holdout, str):
+        holdout = [holdout]
+    mask = np.zeros(len(df), dtype=bool)
+    for spec in holdout:
+        if spec == "corner":
+            mask |= heldout_corner(df)
+            continue
+        col, sep, val = spec.partition("=")
+        if not sep or col not in df:
+            raise ValueError(f"holdout {spec!r}: write 'corner' or '<column>=<value>' with a column of the table "
+                             f"({', '.join(map(str, df.columns))})")
+        x = df[col]
+        if val in ("max", "min"):
+            mask |= (x == getattr(x, val)()).to_numpy()
+        elif pd.api.types.is_numeric_dtype(x):
+            mask |= np.isclose(x.to_numpy(dtype=np.float64), float(val), rtol=1e-9, atol=0.0)
+        else:
+            mask |= (x.astype(str) == val).to_numpy()
+    return mask
+
+
+def rel_errors(law: Law, theta, df: pd.DataFrame) -> np.ndarray:
+    """|predicted − observed| / observed per row."""
+    p = law.predict(theta, {c: df[c].to_numpy(dtype=np.float64) for c in law.inputs})
+    obs = df[law.target].to_numpy(dtype=np.float64)
+    return np.abs(p - obs) / np.abs(obs)
+
+
 def fit_law(law: Law | str, df: pd.DataFrame, huber_delta: float | None = None, holdout: np.ndarray | str | None = "corner",
             top_k: int = 8, init: np.ndarray | None = None) -> FitResult:
     law = get_law(law) if isinstance(law, str) else law
@@ -159,9 +194,9 @@ def fit_law(law: Law | str, df: pd.DataFrame, huber_delta: float | None = None, 
     dropped = df[bad].to_dict("records")
     df = df[~bad].reset_index(drop=True)
     hold = np.zeros(len(df), dtype=bool)
-    if isinstance(holdout, str) and holdout == "corner":
-        hold = heldout_corner(df)
-    elif holdout is not None and not isinstance(holdout, str):
+    if isinstance(holdout, str) or (isinstance(holdout, (list, tuple)) and holdout and isinstance(holdout[0], str)):
+        hold = holdout_mask(df, holdout)
+    elif holdout is not None:
         hold = np.asarray(holdout, dtype=bool)[~bad]
     if (~hold).sum() < len(law.params) + 1:  # too few rows to hold any out
         hold[:] = False
@@ -198,6 +233,8 @@ def fit_law(law: Law | str, df: pd.DataFrame, huber_delta: float | None = None, 
     result = FitResult(law=law.name, constants=law.constants(theta), theta=[float(t) for t in theta],
                        r2_log=1.0 - ss_res / ss_tot if ss_tot > 0 else float("nan"), n_fit=len(train),
                        dropped=dropped, objective=obj, frozen=frozen)
+    fit_rel = rel_errors(law, theta, train)
+    result.fit_rel_err, result.fit_max_rel_err = float(fit_rel.mean()), float(fit_rel.max())
     if hold.any():
         test = df[hold]
         p = law.predict(theta, {c: test[c].to_numpy(dtype=np.float64) for c in law.inputs})
@@ -206,6 +243,7 @@ def fit_law(law: Law | str, df: pd.DataFrame, huber_delta: float | None = None, 
         result.heldout = [{**{c: float(r[c]) for c in law.inputs}, "observed": float(o), "predicted": float(q),
                            "rel_err": float(e)} for (_, r), o, q, e in zip(test.iterrows(), obs, p, rel)]
         result.heldout_rel_err = float(rel.mean())
+        result.heldout_max_rel_err = float(rel.max())
     return result
 
 
@@ -250,6 +288,33 @@ def bootstrap_fit(law: Law | str, df: pd.DataFrame, n_boot: int = 1000, by: str 
               for i, p in enumerate(law.params) if p not in full.frozen}
     return {"by": by, "level": level, "n_boot": n_boot, "failed": failed, "n_cells": len(cells),
             "replicates": int(df[by].nunique()), "fit": asdict(full), "params": params}
+
+
+def case_bootstrap_fit(law: Law | str, df: pd.DataFrame, n_boot: int = 1000, level: float = 0.9, seed: int = 0,
+                       huber_delta: float | None = None, holdout=None) -> dict:
+    """``bootstrap_fit`` for a sweep with one seed per cell: refit on ``n_boot`` resamples of the fitted rows (cells)
+    with replacement, each from the full fit; per parameter the estimate, SE and ``level`` percentile interval."""
+    law = get_law(law) if isinstance(law, str) else law
+    full = fit_law(law, df, huber_delta, holdout=holdout)
+    held = {tuple(r[c] for c in law.inputs) for r in full.heldout}
+    rows = df.dropna(subset=[*law.inputs, law.target])
+    kept = np.array([tuple(r) not in held for r in rows[list(law.inputs)].itertuples(index=False)], dtype=bool)
+    rows = rows[(rows[law.target].to_numpy() > 0) & kept]
+    rng = np.random.default_rng(seed)
+    thetas, failed = [], 0
+    for _ in range(n_boot):
+        try:
+            thetas.append(fit_law(law, rows.iloc[rng.integers(0, len(rows), len(rows))], huber_delta, holdout=None,
+                                  top_k=0, init=np.asarray(full.theta)).theta)
+        except ValueError:
+            failed += 1
+    thetas = np.asarray(thetas)
+    a = (1.0 - level) / 2.0
+    params = {p: {"estimate": full.theta[i], "se": float(thetas[:, i].std(ddof=1)),
+                  "lo": float(np.quantile(thetas[:, i], a)), "hi": float(np.quantile(thetas[:, i], 1.0 - a))}
+              for i, p in enumerate(law.params) if p not in full.frozen}
+    return {"by": "cell", "level": level, "n_boot": n_boot, "failed": failed, "n_cells": len(rows), "replicates": len(rows),
+            "fit": asdict(full), "params": params}
 
 
 def sign_verdict(lo: float, hi: float, sign: int) -> str:
@@ -313,6 +378,21 @@ def qat_report(table: pd.DataFrame, huber_delta: float | None = None, n_boot: in
     return out
 
 
+# --- data laws (infolaw): buckets and quality scores from the table's w_<k>, U_<k>, s_<k> columns ------------
+DATA_LAWS = ("infolaw", "muennighoff", "mixing")
+
+
+def data_law_options(table: pd.DataFrame, law: str) -> dict:
+    """The bucket names (from the w_<k> columns) and, for InfoLaw, each bucket's quality score s_<k>."""
+    buckets = [c[2:] for c in table.columns if c.startswith("w_")]
+    if not buckets:
+        raise ValueError(f"law {law!r} needs per-bucket columns w_<k>, U_<k> (sweeps.collect.infolaw_table builds them)")
+    options: dict = {"buckets": buckets}
+    if law == "infolaw" and all(f"s_{k}" in table for k in buckets):
+        options["quality"] = [float(table[f"s_{k}"].iloc[0]) for k in buckets]
+    return options
+
+
 def markdown(report: dict) -> str:
     lines = ["| fit | constants | R² (log) | rows | held-out rel. err | dropped (target ≤ 0) |", "|---|---|---|---|---|---|"]
     for name, f in report["fits"].items():
@@ -320,6 +400,8 @@ def markdown(report: dict) -> str:
         if f["frozen"]:
             consts += " (frozen: " + ", ".join(f["frozen"]) + ")"
         held = "—" if f["heldout_rel_err"] is None else f"{100 * f['heldout_rel_err']:.1f}% ({len(f['heldout'])} rows)"
+        if f.get("heldout_max_rel_err") is not None and f["law"] in DATA_LAWS:  # the InfoLaw metric: mean and max
+            held = f"{100 * f['heldout_rel_err']:.2f}% mean, {100 * f['heldout_max_rel_err']:.2f}% max ({len(f['heldout'])} rows)"
         lines.append(f"| {name} | {consts} | {f['r2_log']:.3f} | {f['n_fit']} | {held} | {len(f['dropped'])} |")
     for name, why in report["skipped"].items():
         lines.append(f"| {name} | skipped: {why} | | | | |")
@@ -337,7 +419,9 @@ def markdown(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from sweeps.collect import collect, qat_table
+    import yaml
+
+    from sweeps.collect import collect, infolaw_table, qat_table
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("sources", nargs="+", help="multirun dirs (collected) or one CSV table")
@@ -346,8 +430,13 @@ def main(argv=None) -> int:
     ap.add_argument("--huber-delta", type=float, default=None)
     ap.add_argument("--bootstrap", type=int, default=0, metavar="B",
                     help="refit B times on resampled replicates (--by) per cell: SE and a --level interval per parameter")
-    ap.add_argument("--by", default="seed", help="the replicate column the bootstrap resamples (default: seed)")
+    ap.add_argument("--by", default="seed", help="the replicate column the bootstrap resamples (default: seed; "
+                    "cell: resample the fitted cells, for a sweep with one seed)")
     ap.add_argument("--level", type=float, default=0.9, help="the bootstrap interval's coverage (default: 0.9)")
+    ap.add_argument("--holdout", action="append", default=None,
+                    help="rows to hold out: corner (default) | <column>=<value> | <column>=max (repeatable: the union)")
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="a law option (YAML value), e.g. --option quality=[1,0] --option form=joint (repeatable)")
     ap.add_argument("--out", default=None, help="output prefix: <out>.csv, <out>_fit.json, <out>_fit.md, <out>.png")
     ap.add_argument("--wandb", action="store_true",
                     help="also log the table, constants and plot to a W&B run in the sweep's group (multirun/<dir name>)")
@@ -365,7 +454,8 @@ def main(argv=None) -> int:
         table, failures = pd.read_csv(args.sources[0]), []
     else:
         jobs, failures = collect(*args.sources)
-        table = qat_table(jobs) if args.law == "qat_delta" else pd.DataFrame([j["flat"] for j in jobs])
+        table = qat_table(jobs) if args.law == "qat_delta" else infolaw_table(jobs) if args.law in DATA_LAWS \
+            else pd.DataFrame([j["flat"] for j in jobs])
     for cond in args.where:
         col, val = cond.split("=", 1)
         table = table[table[col].astype(str) == val]
@@ -374,10 +464,17 @@ def main(argv=None) -> int:
     if args.law == "qat_delta":
         report = qat_report(table, args.huber_delta, args.bootstrap, args.by, args.level)
     else:
-        report = {"fits": {args.law: asdict(fit_law(args.law, table, args.huber_delta))}, "skipped": {}, "claims": {},
-                  "bootstrap": {}}
-        if args.bootstrap:
-            report["bootstrap"][args.law] = bootstrap_fit(args.law, table, args.bootstrap, args.by, args.level,
+        options = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.option)}
+        if args.law in DATA_LAWS:
+            options = {**data_law_options(table, args.law), **options}
+        law = get_law(args.law, **options)
+        report = {"fits": {args.law: asdict(fit_law(law, table, args.huber_delta, holdout=args.holdout or "corner"))},
+                  "skipped": {}, "claims": {}, "bootstrap": {}}
+        if args.bootstrap and args.by == "cell":  # one seed per cell: resample the cells
+            report["bootstrap"][args.law] = case_bootstrap_fit(law, table, args.bootstrap, args.level,
+                                                               huber_delta=args.huber_delta, holdout=args.holdout or "corner")
+        elif args.bootstrap:
+            report["bootstrap"][args.law] = bootstrap_fit(law, table, args.bootstrap, args.by, args.level,
                                                           huber_delta=args.huber_delta)
     report["failed_jobs"] = [{"dir": f["dir"], "status": f["status"]} for f in failures]
     text = markdown(report)
@@ -388,9 +485,13 @@ def main(argv=None) -> int:
         table.to_csv(out.with_name(out.name + ".csv"), index=False)
         out.with_name(out.name + "_fit.json").write_text(json.dumps(report, indent=2, default=float))
         out.with_name(out.name + "_fit.md").write_text(text)
-        from sweeps.plot import plot_report
+        from sweeps.plot import plot_mixture, plot_report
 
-        plot_report(table, report, out.with_name(out.name + ".png"), loggers=loggers)
+        if args.law in DATA_LAWS:
+            plot_mixture(table, law, report["fits"][args.law]["theta"], out.with_name(out.name + ".png"),
+                         law.buckets[0], loggers=loggers)
+        else:
+            plot_report(table, report, out.with_name(out.name + ".png"), loggers=loggers)
         print(f"wrote {out}.csv, {out}_fit.json, {out}_fit.md, {out}.png")
     if loggers:
         import wandb

@@ -77,3 +77,39 @@ def plot_report(table: pd.DataFrame, report: dict, path, wandb_key: str = "qat_l
     log_figure(wandb_key, fig, loggers)  # closes it
     return path
 
+
+
+def plot_mixture(table: pd.DataFrame, law, theta, path, bucket: str, loggers=(), key: str = "infolaw/fit"):
+    """Loss against the weight of ``bucket`` (one panel per N, one colour per D): the measured cells and the fitted
+    data law (``law``: an instance, as its options carry the buckets) along the weight of that bucket."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    Ns, Ds = sorted(table["N"].unique()), sorted(table["D"].unique())
+    others = [c[2:] for c in table.columns if c.startswith("w_") and c != f"w_{bucket}"]
+    colours = plt.cm.viridis(np.linspace(0, 0.9, max(1, len(Ds))))
+    fig, axes = plt.subplots(1, len(Ns), figsize=(4.2 * len(Ns), 3.8), squeeze=False)
+    grid = np.linspace(0.02, 0.98, 60)
+    for ax, n in zip(axes[0], Ns):
+        for c, d in zip(colours, Ds):
+            sub = table[(table["N"] == n) & (table["D"] == d)].sort_values(f"w_{bucket}")
+            ax.scatter(sub[f"w_{bucket}"], sub["loss"], color=c, s=14, label=f"D={d / 1e6:.2g}M")
+            if theta is not None and len(sub):
+                first = sub.iloc[0]
+                X = {col: np.full_like(grid, float(first[col])) for col in law.inputs if col in sub}
+                X[f"w_{bucket}"] = grid
+                for o in others:  # the rest split in the table's proportions
+                    X[f"w_{o}"] = (1 - grid) * float(first[f"w_{o}"]) / max(1e-12, 1 - float(first[f"w_{bucket}"]))
+                ax.plot(grid, law.predict(theta, X), color=c, lw=1)
+        ax.set(xlabel=f"w_{bucket}", ylabel="held-out loss", title=f"N={n / 1e3:.0f}k")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    from lightning_modules.common.dashboard import log_figure
+
+    log_figure(key, fig, loggers)
+    return path
