@@ -205,7 +205,7 @@ def fit_law(law: Law | str, df: pd.DataFrame, huber_delta: float | None = None, 
         test = df[hold]
         p = law.predict(theta, {c: test[c].to_numpy(dtype=np.float64) for c in law.inputs})
         obs = test[law.target].to_numpy(dtype=np.float64)
-        rel = np.abs(p - obs) / np.abs(obs)
+        rel = np.abs(p - obs) / np.where(obs != 0, np.abs(obs), np.nan)  # no relative error at a zero target
         result.heldout = [{**{c: float(r[c]) for c in law.inputs}, "observed": float(o), "predicted": float(q),
                            "rel_err": float(e)} for (_, r), o, q, e in zip(test.iterrows(), obs, p, rel)]
         result.heldout_rel_err = float(rel.mean())
@@ -288,7 +288,7 @@ def error_report(table: pd.DataFrame, laws=ERROR_LAWS, by=("task", "format")) ->
     table = table.assign(acc=table["k"] / table["m"])
     keys = [c for c in by if c in table]
     out: dict = {"groups": {}, "skipped": {}}
-    for name, sub in (table.groupby(keys) if keys else [((), table)]):
+    for name, sub in (table.groupby(keys, dropna=False) if keys else [((), table)]):
         label = "/".join(map(str, name if isinstance(name, tuple) else (name,))) or "all"
         sub = sub.groupby("n", as_index=False)[["k", "m"]].sum().assign(acc=lambda t: t["k"] / t["m"])
         group: dict = {}
@@ -436,11 +436,17 @@ def main(argv=None) -> int:
     else:
         jobs, failures = collect(*args.sources)
         table = qat_table(jobs) if args.law == "qat_delta" else pd.DataFrame([j["flat"] for j in jobs])
+        if get_law(args.law).counts:
+            from sweeps.collect import error_table
+
+            table = error_table(jobs)
     for cond in args.where:
         col, val = cond.split("=", 1)
         table = table[table[col].astype(str) == val]
     for f in failures:
         print(f"excluded failed job {f['dir']}: {f['status'][:200]}")
+    if get_law(args.law).counts:  # accuracy laws on count rows (error_law): their own report
+        return error_main(args, table, failures)
     if args.law == "qat_delta":
         report = qat_report(table, args.huber_delta, args.bootstrap, args.by, args.level)
     else:
@@ -471,6 +477,26 @@ def main(argv=None) -> int:
         loggers[0].experiment.summary.update({f"{name}/{k}": v for name, f in report["fits"].items()
                                               for k, v in f["constants"].items()})
         wandb.finish()
+    return 0
+
+
+def error_main(args, table: pd.DataFrame, failures: list[dict]) -> int:
+    """``--law error_gamma`` (or any count law): that law and the other accuracy laws per (model, task, format)."""
+    by = tuple(c for c in ("model", "task", "format") if c in table and table[c].nunique(dropna=False) > 1) or ("task", "format")
+    report = error_report(table, (args.law, *(law for law in ERROR_LAWS if law != args.law)), by=by)
+    report["failed_jobs"] = [{"dir": f["dir"], "status": f["status"]} for f in failures]
+    text = error_markdown(report)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        table.to_csv(out.with_name(out.name + ".csv"), index=False)
+        out.with_name(out.name + "_fit.json").write_text(json.dumps(report, indent=2, default=float))
+        out.with_name(out.name + "_fit.md").write_text(text)
+        from sweeps.plot import plot_accuracy
+
+        plot_accuracy(report, out.with_name(out.name + ".png"), law=args.law)
+        print(f"wrote {out}.csv, {out}_fit.json, {out}_fit.md, {out}.png")
     return 0
 
 
