@@ -29,6 +29,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 FORMATS = ("plain", "delimited")
+OPTIONS = {"modulus": 10, "prime": 7, "mul_digits": 2}  # the task options' defaults
 MARKERS = "abcdefghijklmnopqrstuvwxyz"
 
 
@@ -134,8 +135,8 @@ TASKS = {
                         "Add up the digits, reducing modulo {modulus} after each step; give the final value."),
     "lis": Task(gen_lis, "lis", (",", ""),
                 "Give the length of the longest strictly increasing subsequence of these two-digit numbers."),
-    "linear_maps": Task(gen_linear_maps, "lin", (",", ";"),
-                        "Start from the number before ';'. Each pair 'ab' after it is the map x -> (a*x + b) mod "
+    "linear_maps": Task(gen_linear_maps, "lin", (",", ">"),
+                        "Start from the number before '>'. Each pair 'ab' after it is the map x -> (a*x + b) mod "
                         "{prime}; apply them from left to right and give the final value."),
 }
 
@@ -182,7 +183,7 @@ def chat_prompt(task: str, prob: Problem, fmt: str, chunk: int = 4, **options) -
     if fmt == "delimited":
         note = (f"The input is cut into chunks of {chunk} items separated by '|'; each chunk starts with a position "
                 "letter (a, b, c, ...)." + (" Write the answer in the same chunked form." if prob.sequence else "") + "\n")
-    return (f"{t.words.format(**options)}\n{note}Input: {body}\n"
+    return (f"{t.words.format(**{**OPTIONS, **options})}\n{note}Input: {body}\n"
             "Think as you need, then end your reply with one line 'Answer: <answer>'.")
 
 
