@@ -19,7 +19,7 @@ exponential (1 − p)^n and a logistic in log n, each also refitted without the 
 Logged: ``test/accuracy`` (mean over cells), per group ``<task>/<format>``: ``test/acc/<group>/<n>``,
 ``test/r/<group>``, ``test/q/<group>``, ``test/deviance/<group>``, ``test/heldout_abs_err/<group>`` (the main law),
 and the mean held-out error of every law ``test/heldout_abs_err/<law>``. ``results.error_law``: ``rows`` (task,
-format, n, k, m), ``fits`` (the full report) and a few predictions; ``sweeps.collect.error_table`` reads the rows.
+format, n, k, m, acc, ``outcomes``: one 0/1 per instance in index order), ``fits`` (the full report) and a few predictions; ``sweeps.collect.error_table`` reads the rows.
 """
 from __future__ import annotations
 
@@ -121,11 +121,12 @@ class ErrorLawModule(CausalLMModule):
 
         if not self.records:
             return
-        cells = defaultdict(list)
+        cells = defaultdict(dict)
         for r in self.records:
-            cells[(r["task"], r["format"], r["n"])].append(r["correct"])
-        rows = [{"task": t, "format": f, "n": n, "k": int(sum(v)), "m": len(v), "acc": sum(v) / len(v)}
-                for (t, f, n), v in sorted(cells.items())]
+            cells[(r["task"], r["format"], r["n"])][r["index"]] = r["correct"]
+        # outcomes: one 0/1 per instance in index order (split-half and bootstrap checks need them)
+        rows = [{"task": t, "format": f, "n": n, "k": int(sum(v.values())), "m": len(v), "acc": sum(v.values()) / len(v),
+                 "outcomes": "".join(str(int(v[i])) for i in sorted(v))} for (t, f, n), v in sorted(cells.items())]
         with torch.inference_mode(False), torch.enable_grad():  # the test loop runs without autograd; the fit needs it
             report = error_report(pd.DataFrame(rows), ERROR_LAWS)
         self.log("test/accuracy", sum(r["acc"] for r in rows) / len(rows))
