@@ -8,6 +8,7 @@ and give ``init_grid`` (and ``linear_init`` when the law is linear in its parame
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Mapping
 
 import numpy as np
@@ -130,9 +131,8 @@ class ChinchillaLaw(Law):
 class _RegGamma(torch.autograd.Function):
     """P(a, x) (``upper=False``) or Q(a, x) = 1 − P(a, x) (``upper=True``), the regularised incomplete gammas, with
     a gradient in both arguments: torch's ``gammainc`` has none in ``a``. ∂/∂x is analytic (± x^(a−1) e^(−x) / Γ(a));
-    ∂/∂a is a float64 central difference. Written with ``setup_context`` so the fitter can ``vmap`` it."""
-
-    generate_vmap_rule = True
+    ∂/∂a is a float64 central difference. It has its own ``vmap`` rule (it is elementwise), so the fitter can batch
+    it over starts cheaply."""
 
     @staticmethod
     def forward(a, x, upper):
@@ -144,6 +144,13 @@ class _RegGamma(torch.autograd.Function):
         a, x, upper = inputs
         ctx.save_for_backward(a, x)
         ctx.upper = upper
+
+    @staticmethod
+    def vmap(info, in_dims, a, x, upper):
+        def batched(t, dim):
+            return t.movedim(dim, 0) if dim is not None else t.expand(info.batch_size, *t.shape)
+
+        return _RegGamma.apply(batched(a, in_dims[0]), batched(x, in_dims[1]), upper), 0
 
     @staticmethod
     def backward(ctx, grad):
@@ -200,11 +207,15 @@ class ErrorGammaLaw(AccuracyLaw):
     params = ("log_r", "log_q")
     shape = "q_half"
 
+    # the box the fit searches (log r, log q): beyond it the data says nothing new (a curve that is all right or
+    # all wrong pushes the optimum to infinity); clamping stops the walk there, with a zero gradient
+    bounds = ((-25.0, 10.0), (math.log(0.02), math.log(500.0)))
+
     def a(self, theta):
-        return torch.exp(theta[1]) / (2.0 if self.shape == "q_half" else 1.0)
+        return torch.exp(theta[1].clamp(*self.bounds[1])) / (2.0 if self.shape == "q_half" else 1.0)
 
     def _p(self, theta, n, upper):
-        x = 1.0 / (torch.exp(theta[0]) * n)
+        x = 1.0 / (torch.exp(theta[0].clamp(*self.bounds[0])) * n)
         return gammainc(self.a(theta).expand_as(x), x, upper)
 
     def log_acc(self, theta, n):
@@ -237,7 +248,7 @@ class ExponentialLaw(AccuracyLaw):
     params = ("logit_p",)
 
     def log_acc(self, theta, n):
-        return -n * torch.nn.functional.softplus(theta[0])  # log(1 − p) = −softplus(z)
+        return -n * torch.nn.functional.softplus(theta[0].clamp(-40.0, 40.0))  # log(1 − p) = −softplus(z)
 
     def log_err(self, theta, n):
         return torch.log((-torch.expm1(self.log_acc(theta, n))).clamp_min(1e-300))
@@ -255,11 +266,14 @@ class LogisticLogNLaw(AccuracyLaw):
     name = "logistic_log_n"
     params = ("alpha", "beta")
 
+    def logit(self, theta, n):
+        return theta[0].clamp(-50.0, 50.0) - theta[1].clamp(-30.0, 30.0) * torch.log(n)  # a box, as the gamma law's
+
     def log_acc(self, theta, n):
-        return -torch.nn.functional.softplus(-(theta[0] - theta[1] * torch.log(n)))
+        return -torch.nn.functional.softplus(-self.logit(theta, n))
 
     def log_err(self, theta, n):
-        return -torch.nn.functional.softplus(theta[0] - theta[1] * torch.log(n))
+        return -torch.nn.functional.softplus(self.logit(theta, n))
 
     def init_grid(self):
         return [np.array(t, dtype=np.float64) for t in itertools.product((-2.0, 0.0, 3.0, 8.0), (0.0, 1.0, 3.0, 6.0))]
