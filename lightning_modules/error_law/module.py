@@ -19,7 +19,8 @@ exponential (1 − p)^n and a logistic in log n, each also refitted without the 
 Logged: ``test/accuracy`` (mean over cells), per group ``<task>/<format>``: ``test/acc/<group>/<n>``,
 ``test/r/<group>``, ``test/q/<group>``, ``test/deviance/<group>``, ``test/heldout_abs_err/<group>`` (the main law),
 and the mean held-out error of every law ``test/heldout_abs_err/<law>``. ``results.error_law``: ``rows`` (task,
-format, n, k, m, acc, ``outcomes``: one 0/1 per instance in index order), ``fits`` (the full report) and a few predictions; ``sweeps.collect.error_table`` reads the rows.
+format, n, k, m, acc, ``outcomes``: one 0/1 per instance in index order), ``fits`` (the full report) and a few
+predictions; ``sweeps.collect.error_table`` reads the rows.
 """
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ class ErrorLawModule(CausalLMModule):
 
     def __init__(self, backbone: Mapping[str, Any] | None = None, optimizer: Callable | None = None,
                  scheduler: Callable | None = None, weight_decay: float = 0.0, backend: str = "local",
-                 endpoint: Mapping[str, Any] | None = None, prompt: str = "compact", shape: str = "q_half", max_new_tokens: int | None = None,
+                 endpoint: Mapping[str, Any] | None = None, prompt: str = "compact", shape: str = "q_half",
+                 max_new_tokens: int | None = None,
                  n_predictions: int = 16):
         if backend not in BACKENDS:
             raise ValueError(f"model.backend={backend!r}: choose local or endpoint")
