@@ -284,13 +284,17 @@ def binomial_stats(law: Law | str, theta, df: pd.DataFrame) -> dict:
 def error_report(table: pd.DataFrame, laws=ERROR_LAWS, by=("task", "format")) -> dict:
     """Per ``by`` group of count rows (n, k, m): every law fitted by binomial maximum likelihood on all rows (its
     constants, deviance, χ², AIC) and again without the largest n, which it then predicts (held-out deviance and
-    |Acc − k/m| there). ``best`` names the law with the lowest AIC and the one with the lowest held-out deviance."""
+    |Acc − k/m| there); a group whose answers are all right or all wrong is skipped. ``best`` names the law with the lowest AIC and the one with the lowest held-out deviance."""
     table = table.assign(acc=table["k"] / table["m"])
     keys = [c for c in by if c in table]
     out: dict = {"groups": {}, "skipped": {}}
     for name, sub in (table.groupby(keys, dropna=False) if keys else [((), table)]):
         label = "/".join(map(str, name if isinstance(name, tuple) else (name,))) or "all"
         sub = sub.groupby("n", as_index=False)[["k", "m"]].sum().assign(acc=lambda t: t["k"] / t["m"])
+        if (sub["k"] == 0).all() or (sub["k"] == sub["m"]).all():  # every law fits it perfectly: nothing to compare
+            out["skipped"][label] = (f"degenerate: every answer {'wrong' if (sub['k'] == 0).all() else 'right'} at "
+                                     f"n = {sorted(sub['n'].tolist())}; move n_grid (or train longer) so accuracy spans")
+            continue
         group: dict = {}
         hold = sub["n"].to_numpy() == sub["n"].max()
         for law_name in laws:
