@@ -8,7 +8,7 @@
    held-out largest-n deviance; r of plain against delimited; (r, q) from the even and the odd instances, with
    90% intervals from the observed Fisher information in (log r, log q).
 
-    python -m benchmarks.error_law                 # full: ~1500 steps, 64 instances per cell (≤ 10 min idle)
+    python -m benchmarks.error_law                 # full: 1200 steps, 64 instances per cell (≤ 10 min idle)
     python -m benchmarks.error_law --quick         # the smallest settings that exercise every part
 """
 from __future__ import annotations
@@ -129,7 +129,7 @@ def report(res: dict) -> None:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--steps", type=int, default=1200)
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--grid", type=int, nargs="+", default=[2, 4, 6, 8, 10, 12, 14, 16, 18, 20])
     ap.add_argument("--quick", action="store_true", help="60 steps, 8 instances at n = 2, 6, 10, 14")
