@@ -106,7 +106,7 @@ def tiny(steps: int, samples: int, grid: list[int], out_dir) -> dict:
         table[label] = {"acc": {int(r["n"]): r["acc"] for r in rows}, "laws": g["laws"], "best_aic": g["best_aic"],
                         "best_heldout": g["best_heldout"], "halves": halves(rows),
                         "interval": fisher_interval("error_gamma", g["laws"]["error_gamma"]["theta"], full)}
-    return {"groups": table, "figure": str(figure), "final": {k: v for k, v in metrics["final"].items() if not k.startswith("test/acc/")}}
+    return {"groups": table, "skipped": res["fits"]["skipped"], "figure": str(figure), "final": {k: v for k, v in metrics["final"].items() if not k.startswith("test/acc/")}}
 
 
 def report(res: dict) -> None:
@@ -114,6 +114,8 @@ def report(res: dict) -> None:
         print(f"planted {name}: " + "; ".join(f"{law} dev {f['deviance']:.1f} heldout {f.get('heldout_deviance', float('nan')):.2f} "
                                              + ", ".join(f"{k}={v:.4g}" for k, v in f["constants"].items() if not k.startswith(("log", "logit")))
                                              for law, f in g["laws"].items()))
+    for label, why in res["tiny"]["skipped"].items():
+        print(f"\n{label}: not fitted ({why})")
     for label, g in res["tiny"]["groups"].items():
         print(f"\n{label}: acc " + " ".join(f"{n}:{a:.2f}" for n, a in g["acc"].items()))
         for law, f in g["laws"].items():
@@ -182,7 +184,8 @@ def claims(res, argv):
     verdict = verdict if n_inf else "inconclusive"  # a degenerate curve (all right or all wrong) measures nothing
     out.append(Claim("delimiters_lower_r", "we show how to construct prompts to reduce the error rate",
                      "tasks where delimited prompts' r is below plain's (90% intervals disjoint)",
-                     fewer / total if total else None, "all tasks", verdict, "; ".join(detail)))
+                     fewer / total if total else None, "all tasks", verdict,
+                     "; ".join(detail) or "no task has both formats with a non-degenerate curve"))
     finite = {k: g for k, g in groups.items() if all(math.isfinite(v[p][e]) for v in g["halves"].values()
                                                      for p in ("r", "q") for e in ("lo", "hi"))}
     agree = [k for k, g in finite.items() if overlap(g["halves"]["even"]["r"], g["halves"]["odd"]["r"])
