@@ -1,12 +1,13 @@
 """The one client for OpenAI-compatible chat endpoints (API models: error_law's backend, esr's judge).
 
 ``EndpointClient(url, model, api_key_env)`` POSTs ``{url}/chat/completions``; the URL and model name come from
-config (``conf/local/``: ``local.endpoints.<provider>``), the key only from the environment variable named there
+config (``conf/local/``: ``local.endpoints.<name>``), the key only from the environment variable named there
 (never from a file or the config). Transient failures (HTTP 408/429/5xx, connection errors, timeouts) are retried
 with exponential backoff; other HTTP errors raise at once. Responses are cached on disk by a hash of the request
 (url + payload, not the key): a rerun, or a crashed run resumed, sends nothing it has already had answered.
 
     client = EndpointClient(url="https://api.deepseek.com/v1", model="deepseek-reasoner", api_key_env="DEEPSEEK_API_KEY")
+    client = EndpointClient.from_spec(cfg.model.endpoint)  # the same from config (local.endpoints.<name>)
     client.check()                          # one probe request: fails fast on a missing url/key or a bad endpoint
     text = client.chat("What is 2 + 2?")    # or a list of {"role", "content"} messages
 """
@@ -58,6 +59,18 @@ class EndpointClient:
         self.timeout = timeout
         self.params = dict(params or {})
         self.stats = {"requests": 0, "retries": 0, "cache_hits": 0}
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any] | None) -> "EndpointClient":
+        """A client from a config mapping (``{url, model, api_key_env, cache_dir, ...}``, e.g. ``model.endpoint``
+        built from ``local.endpoints.<name>``); a missing url or model fails here, naming the key to set."""
+        import inspect
+
+        spec = dict(spec or {})
+        known = set(inspect.signature(cls).parameters)
+        if set(spec) - known:
+            raise ValueError(f"endpoint: unknown key(s) {sorted(set(spec) - known)}; use {sorted(known)}")
+        return cls(**spec)
 
     def _key(self) -> str | None:
         if not self.api_key_env:

@@ -25,7 +25,6 @@ predictions; ``sweeps.collect.error_table`` reads the rows.
 from __future__ import annotations
 
 from collections import defaultdict
-from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
@@ -74,10 +73,7 @@ class ErrorLawModule(CausalLMModule):
         if backend == "endpoint":
             from lightning_modules.common.endpoint import EndpointClient
 
-            spec = dict(endpoint or {})
-            if spec.get("cache_dir"):
-                spec["cache_dir"] = Path(spec["cache_dir"])
-            self.client = EndpointClient(**spec)  # a missing url or model fails here, before anything runs
+            self.client = EndpointClient.from_spec(endpoint)  # a missing url or model fails here, before anything runs
         self.records: list[dict] = []
         self.results: dict = {}
 
