@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import tempfile
 from pathlib import Path
@@ -93,6 +94,11 @@ def tiny(steps: int, samples: int, grid: list[int], out_dir) -> dict:
     _, metrics = run_experiment("error_law_tiny", out_dir, overrides=[
         f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}", f"data.samples_per_n={samples}",
         f"data.n_grid={grid_s}", "callbacks.model_checkpoint.save_top_k=0"])
+    return summarize(metrics)
+
+
+def summarize(metrics: dict) -> dict:
+    """The tiny part's numbers from a run's metrics.json (its rows and fits)."""
     res = metrics["results"]["error_law"]
     groups = res["fits"]["groups"]
     from sweeps.plot import plot_accuracy
@@ -135,13 +141,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--grid", type=int, nargs="+", default=[2, 4, 6, 8, 10, 12, 14, 16, 18, 20])
     ap.add_argument("--quick", action="store_true", help="60 steps, 8 instances at n = 2, 6, 10, 14")
+    ap.add_argument("--from-run", default=None, metavar="DIR",
+                    help="summarise an existing error_law_tiny run dir (its metrics.json) instead of training")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.samples, args.grid = 60, 8, [2, 6, 10, 14]
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     res = {"planted": planted(), "args": vars(args)}
-    with tempfile.TemporaryDirectory() as tmp:
-        res["tiny"] = tiny(args.steps, args.samples, args.grid, tmp)
+    if args.from_run:
+        res["tiny"] = summarize(json.loads((Path(args.from_run) / "metrics.json").read_text()))
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            res["tiny"] = tiny(args.steps, args.samples, args.grid, tmp)
     report(res)
     return res
 
@@ -169,6 +180,15 @@ def claims(res, argv):
                      "held-out largest-n deviance < the exponential's", len(wins) / n_inf if n_inf else None,
                      "> 1/2 of the groups", verdict, f"{len(wins)} of {n_inf} groups with a non-degenerate curve: "
                      + ", ".join(wins)))
+    fits = {k: g["laws"]["error_gamma"] for k, g in informative.items()}
+    ratios = {k: f["chi2"] / max(1, f["rows"] - 2) for k, f in fits.items()}
+    beat_logistic = [k for k, g in informative.items() if g["laws"]["error_gamma"]["aic"] <= g["laws"]["logistic_log_n"]["aic"]]
+    med = float(np.median(list(ratios.values()))) if ratios else None
+    out.append(Claim("gamma_fit_quality", "find excellent agreement between the predicted and observed accuracy",
+                     "median Pearson χ²/dof of the gamma law over non-degenerate groups (1 = binomial noise)", med,
+                     "<= 1.5", "inconclusive" if med is None else "held" if med <= 1.5 else "not_held",
+                     ", ".join(f"{k} {v:.2f}" for k, v in ratios.items())
+                     + f"; the gamma law's AIC <= the logistic's in {len(beat_logistic)} of {len(fits)} groups"))
     fewer, total, detail = 0, 0, []
     for task in sorted({k.split("/")[0] for k in groups}):
         p, d = groups.get(f"{task}/plain"), groups.get(f"{task}/delimited")
