@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -121,7 +122,7 @@ class EndpointClient:
             time.sleep(self.backoff * 2 ** attempt)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
+            tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")  # one per writer thread
             tmp.write_text(json.dumps(data))
             tmp.replace(path)  # atomic: a crash never leaves half a response in the cache
         return data

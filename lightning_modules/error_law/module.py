@@ -49,14 +49,14 @@ class ErrorLawModule(CausalLMModule):
             tokenizer's chat template, for instruction-tuned local models); an endpoint always gets ``chat``.
         shape: ``q_half`` | ``q``: which law's (r, q) are logged as the main ones (both are always fitted).
         max_new_tokens: generation budget; None: the longest gold answer of the batch + 2.
+        concurrency: endpoint requests in flight at once (within a batch of ``data.eval_batch_size``).
         n_predictions: predictions kept in ``results`` for inspection.
     """
 
     def __init__(self, backbone: Mapping[str, Any] | None = None, optimizer: Callable | None = None,
                  scheduler: Callable | None = None, weight_decay: float = 0.0, backend: str = "local",
                  endpoint: Mapping[str, Any] | None = None, prompt: str = "compact", shape: str = "q_half",
-                 max_new_tokens: int | None = None,
-                 n_predictions: int = 16):
+                 max_new_tokens: int | None = None, concurrency: int = 8, n_predictions: int = 16):
         if backend not in BACKENDS:
             raise ValueError(f"model.backend={backend!r}: choose local or endpoint")
         if shape not in SHAPES:
@@ -68,7 +68,7 @@ class ErrorLawModule(CausalLMModule):
         super().__init__(backbone=backbone or {}, optimizer=optimizer, scheduler=scheduler, weight_decay=weight_decay)
         self.prompt = prompt
         self.backend, self.shape, self.main_law = backend, shape, SHAPES[shape]
-        self.max_new_tokens, self.n_predictions = max_new_tokens, n_predictions
+        self.max_new_tokens, self.n_predictions, self.concurrency = max_new_tokens, n_predictions, max(1, concurrency)
         self.client = None
         if backend == "endpoint":
             from lightning_modules.common.endpoint import EndpointClient
@@ -97,8 +97,11 @@ class ErrorLawModule(CausalLMModule):
             self.model.eval()
 
     def answers(self, batch: list[dict]) -> list[str]:
-        if self.client is not None:
-            return [self.client.chat(b["chat"]) for b in batch]
+        if self.client is not None:  # requests in flight at once: an API's latency, not its compute, sets the pace
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+                return list(pool.map(self.client.chat, [b["chat"] for b in batch]))
         tok = self._tokenizer()
         budget = self.max_new_tokens or max(len(b["gold"]) for b in batch) + 2
         prompts = [b["prompt"] for b in batch] if self.prompt == "compact" else [
