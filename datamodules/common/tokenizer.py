@@ -60,3 +60,30 @@ def load_tokenizer(pretrained: str | None = None, vocab_size: int = 2048, corpus
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+MASK = "[MASK]"
+UNK = "[UNK]"
+# Words, numbers, "(A)"-style option labels, "Answer:"-style labels, newlines and single punctuation marks.
+WORD_PATTERN = r"\n|\([A-Z]\)|[A-Za-z]+:?|\d+|[^\sA-Za-z\d]"
+
+
+def word_tokenizer(words, out_dir: Path | None = None):
+    """A closed word-level tokenizer with a ``[MASK]`` token: ids 0 EOS, 1 PAD, 2 [MASK], 3 [UNK], then ``words``
+    in order (duplicates dropped). Text splits on spaces into words, numbers, option labels like ``(A)``,
+    ``Answer:``-style labels, newlines and punctuation (``WORD_PATTERN``); a piece outside the vocabulary is [UNK]."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate((EOS, PAD, MASK, UNK))}
+    for w in words:
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"[ \t]+"), "removed"),
+                                                 pre_tokenizers.Split(Regex(WORD_PATTERN), "isolated")])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, pad_token=PAD,
+                                   mask_token=MASK, unk_token=UNK)
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        fast.save_pretrained(str(out_dir))
+    return fast
