@@ -63,6 +63,15 @@ def suite_tokenizer(number_max: int = 1000):
     return word_tokenizer(vocabulary(number_max))
 
 
+def rule_induction_tokenizer(pretrained: str | None = None, number_max: int = 1000):
+    """The run's tokenizer: a pretrained backbone's own (tiny-mdlm, LLaDA, ...), else the suite's word tokenizer."""
+    if pretrained:
+        from datamodules.common.tokenizer import load_tokenizer
+
+        return load_tokenizer(pretrained)
+    return suite_tokenizer(number_max)
+
+
 def _example(rng: random.Random, kind: str, answer: str, number_max: int) -> dict:
     """One example of a relevant category task (``kind`` a category) or a distractor (smallest/largest)."""
     if kind in DISTRACTORS:
