@@ -119,7 +119,8 @@ def rule_induction_sample(rng: random.Random, task: str, n_relevant: int, n_dist
     cut = n_distractor - distance
     examples = distractors[:cut] + relevant + distractors[cut:]
     return {"context": "".join(render(e) + "\n" for e in examples), "query": render(query, with_answer=False),
-            "answer": query["answer"], "task": task, "distance": distance, "query_example": query}
+            "answer": query["answer"], "task": task, "distance": distance, "query_example": query,
+            "keys": [e["key"] for e in examples + [query]]}
 
 
 def arithmetic_text(rng: random.Random) -> str:
@@ -160,7 +161,11 @@ class _Pretrain(IterableDataset):
             s = rule_induction_sample(rng, rng.choice(TASKS), rng.randint(1, dm.n_relevant),
                                       rng.randint(0, dm.n_distractor), None, dm.answer, dm.number_max, "train",
                                       dm.val_fraction, dm.test_fraction)
-            yield dm.encode(s["context"] + s["query"] + s["answer"] + "].")
+            ids = dm.encode(s["context"] + s["query"] + s["answer"] + "].")
+            if len(ids) > dm.seq_len:
+                raise ValueError(f"a pretraining prompt of {len(ids)} tokens exceeds data.seq_len={dm.seq_len}: "
+                                 "lower data.n_relevant/n_distractor or raise data.seq_len")
+            yield ids
 
 
 class _QAPairs(IterableDataset):
@@ -204,13 +209,15 @@ class RuleInductionDataModule(L.LightningDataModule):
         answer: ``letter`` or ``word``.
         distances: relevant-block distances the test set is built at (null entries: random placement).
         n_test: queries per task and distance; n_val: per task (random distance).
+        seq_len: the context N of a fine-tune pair (question, answer and appended masks; the MA loss cuts a longer
+            question from its start) and the longest pretraining sequence (prompts beyond it are refused).
     """
 
     def __init__(self, tokenizer, train: str = "pretrain", qa_source: str = "arithmetic", files: str | None = None,
                  n_relevant: int = 10, n_distractor: int = 40, answer: str = "letter", number_max: int = 1000,
                  distances=(None,), n_val: int = 4, n_test: int = 4, arithmetic_share: float = 0.2,
                  batch_size: int = 8, val_fraction: float = 0.1, test_fraction: float = 0.1, seed: int = 0,
-                 question_field: str = "question", answer_field: str = "response", max_qa_tokens: int | None = None):
+                 question_field: str = "question", answer_field: str = "response", seq_len: int = 1024):
         super().__init__()
         if train not in ("pretrain", "qa"):
             raise ValueError(f"data.train={train!r}: choose pretrain (the suite, LLaDA's loss) or qa (fine-tune pairs)")
@@ -229,7 +236,7 @@ class RuleInductionDataModule(L.LightningDataModule):
         self.distances = list(distances) if distances is not None else [None]
         self.n_val, self.n_test, self.arithmetic_share = n_val, n_test, arithmetic_share
         self.batch_size, self.val_fraction, self.test_fraction, self.seed = batch_size, val_fraction, test_fraction, seed
-        self.question_field, self.answer_field, self.max_qa_tokens = question_field, answer_field, max_qa_tokens
+        self.question_field, self.answer_field, self.seq_len = question_field, answer_field, seq_len
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
