@@ -17,7 +17,8 @@ tiny MDLM pretrained on this generator never sees a test example (nor a test que
 ``RuleInductionDataModule`` serves:
 - ``train: pretrain``: whole prompts with answers (example counts drawn up to the maxima) mixed with the RL core's
   arithmetic (``arithmetic_share``), right-padded with EOS to the batch's longest (LLaDA attends to EOS padding);
-  what tiny-mdlm is pretrained on with LLaDA's loss.
+  what tiny-mdlm is pretrained on with LLaDA's loss, a share of the prompts (``answer_only_share``) in its SFT form
+  with only the answers maskable, which teaches the few-shot rule in a CPU budget.
 - ``train: qa``: (question, answer) pairs for the mask-agnostic fine-tune: generated arithmetic (tiny), or local
   OpenOrca-style jsonl/parquet files (``question``/``response`` fields, the paper's data) at paper scale.
 - val / test: queries for the studies (``prompt_ids`` ending in ``Answer:[``, ``answer_id``), one set per
@@ -156,16 +157,21 @@ class _Pretrain(IterableDataset):
         dm, rng = self.dm, random.Random(f"{self.dm.seed}/pretrain")
         while True:
             if rng.random() < dm.arithmetic_share:
-                yield dm.encode(arithmetic_text(rng))
+                yield (dm.encode(arithmetic_text(rng)), None)
                 continue
             s = rule_induction_sample(rng, rng.choice(TASKS), rng.randint(1, dm.n_relevant),
                                       rng.randint(0, dm.n_distractor), None, dm.answer, dm.number_max, "train",
                                       dm.val_fraction, dm.test_fraction)
-            ids = dm.encode(s["context"] + s["query"] + s["answer"] + "].")
+            ids, answers = [], []
+            *heads, tail = (s["context"] + s["query"] + s["answer"] + "].").split("Answer:[")
+            for piece in heads:  # word-level pieces: encoding piece by piece is encoding the whole
+                ids += dm.encode(piece + "Answer:[")
+                answers.append(len(ids))  # the answer token follows "Answer:["
+            ids += dm.encode(tail)
             if len(ids) > dm.seq_len:
                 raise ValueError(f"a pretraining prompt of {len(ids)} tokens exceeds data.seq_len={dm.seq_len}: "
                                  "lower data.n_relevant/n_distractor or raise data.seq_len")
-            yield ids
+            yield (ids, answers if rng.random() < dm.answer_only_share else None)
 
 
 class _QAPairs(IterableDataset):
@@ -209,6 +215,8 @@ class RuleInductionDataModule(L.LightningDataModule):
         answer: ``letter`` or ``word``.
         distances: relevant-block distances the test set is built at (null entries: random placement).
         n_test: queries per task and distance; n_val: per task (random distance).
+        answer_only_share: share of pretraining prompts whose loss masks only the examples' answers (LLaDA's SFT
+            form: everything else is the clean prompt); the rest mask every token (its pretraining form).
         seq_len: the context N of a fine-tune pair (question, answer and appended masks; the MA loss cuts a longer
             question from its start) and the longest pretraining sequence (prompts beyond it are refused).
     """
@@ -217,7 +225,8 @@ class RuleInductionDataModule(L.LightningDataModule):
                  n_relevant: int = 10, n_distractor: int = 40, answer: str = "letter", number_max: int = 1000,
                  distances=(None,), n_val: int = 4, n_test: int = 4, arithmetic_share: float = 0.2,
                  batch_size: int = 8, val_fraction: float = 0.1, test_fraction: float = 0.1, seed: int = 0,
-                 question_field: str = "question", answer_field: str = "response", seq_len: int = 1024):
+                 question_field: str = "question", answer_field: str = "response", seq_len: int = 1024,
+                 answer_only_share: float = 0.0):
         super().__init__()
         if train not in ("pretrain", "qa"):
             raise ValueError(f"data.train={train!r}: choose pretrain (the suite, LLaDA's loss) or qa (fine-tune pairs)")
@@ -237,6 +246,7 @@ class RuleInductionDataModule(L.LightningDataModule):
         self.n_val, self.n_test, self.arithmetic_share = n_val, n_test, arithmetic_share
         self.batch_size, self.val_fraction, self.test_fraction, self.seed = batch_size, val_fraction, test_fraction, seed
         self.question_field, self.answer_field, self.seq_len = question_field, answer_field, seq_len
+        self.answer_only_share = answer_only_share
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -265,11 +275,17 @@ class RuleInductionDataModule(L.LightningDataModule):
             pairs = qa_pairs_from_files(self.files, self.question_field, self.answer_field)
         return DataLoader(_QAPairs(self, pairs), batch_size=self.batch_size, collate_fn=list)
 
-    def pad(self, seqs: list[list[int]]) -> dict:
-        """Right-pad with EOS to the longest sequence of the batch."""
-        n = max(map(len, seqs))
+    def pad(self, rows: list[tuple[list[int], list[int] | None]]) -> dict:
+        """Right-pad with EOS to the longest sequence of the batch; ``prompt_mask`` keeps every token but the
+        answers clean in answer-only rows (LLaDA's SFT form), nothing in the others (its pretraining form)."""
+        n = max(len(ids) for ids, _ in rows)
         eos = self.tokenizer.eos_token_id
-        return {"input_ids": torch.tensor([s + [eos] * (n - len(s)) for s in seqs])}
+        prompt = torch.zeros(len(rows), n, dtype=torch.bool)
+        for i, (_, answers) in enumerate(rows):
+            if answers is not None:
+                prompt[i] = True
+                prompt[i, answers] = False
+        return {"input_ids": torch.tensor([ids + [eos] * (n - len(ids)) for ids, _ in rows]), "prompt_mask": prompt}
 
     def val_dataloader(self):
         return DataLoader(_Queries(self.queries("val", self.n_val, None)), batch_size=1, collate_fn=lambda b: b[0])

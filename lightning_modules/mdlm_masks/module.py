@@ -94,7 +94,7 @@ class MDLMModule(CausalLMModule):
 
     # --- training ------------------------------------------------------------------------------------------------
     def compute_loss(self, batch) -> torch.Tensor:
-        return self.model.loss(batch["input_ids"], eps=self.eps)
+        return self.model.loss(batch["input_ids"], batch.get("prompt_mask"), eps=self.eps)
 
     # --- the studies ---------------------------------------------------------------------------------------------
     def study_input(self, prompt_ids: list[int], k: int) -> tuple[list[int], int, list[int]]:
