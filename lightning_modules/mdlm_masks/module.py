@@ -7,7 +7,7 @@
   and the max_masks curriculum; ``beta: 0`` is the CE-only ablation. (Kept apart: this file is in tiny-mdlm's
   cache key, the fine-tune is not.)
 
-The studies (validation: ``val/accuracy`` at k = 0; test: the grid). Each query reads ``... Answer:[<mask>].`` plus
+The studies (validation: ``val/accuracy`` at k = 0; test: the grid; accuracies in percent). Each query reads ``... Answer:[<mask>].`` plus
 ``k`` appended masks (``filler: period``: " ." k times instead); the first mask is read greedily after
 ``eval_steps`` denoising steps (1: one forward pass; 40: LLaDA's low-confidence unmasking of every mask). Logged:
 ``test/acc/d<distance>/k<k>`` (``drand``: random placement), ``test/acc/k<k>`` (over distances), ``test/accuracy``
@@ -143,7 +143,7 @@ class MDLMModule(CausalLMModule):
 
     def on_validation_epoch_end(self):
         if self.rows:
-            self.log("val/accuracy", sum(r["correct"] for r in self.rows) / len(self.rows), prog_bar=True)
+            self.log("val/accuracy", 100 * sum(r["correct"] for r in self.rows) / len(self.rows), prog_bar=True)
         self.model.train(self.training)
 
     def on_test_epoch_start(self):
