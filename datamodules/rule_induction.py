@@ -73,14 +73,15 @@ def rule_induction_tokenizer(pretrained: str | None = None, number_max: int = 10
     return suite_tokenizer(number_max)
 
 
-def _example(rng: random.Random, kind: str, answer: str, number_max: int) -> dict:
-    """One example of a relevant category task (``kind`` a category) or a distractor (smallest/largest)."""
+def _example(rng: random.Random, kind: str, answer: str, number_max: int, words: int = 12) -> dict:
+    """One example of a relevant category task (``kind`` a category) or a distractor (smallest/largest); each
+    category's first ``words`` words are drawn."""
     if kind in DISTRACTORS:
         options = [str(n) for n in rng.sample(range(1, number_max + 1), 3)]
         target = (min if kind == "smallest" else max)(options, key=int)
     else:
         others = rng.sample([c for c in CATEGORIES if c != kind], 2)
-        options = [rng.choice(CATEGORIES[kind]), *(rng.choice(CATEGORIES[c]) for c in others)]
+        options = [rng.choice(CATEGORIES[kind][:words]), *(rng.choice(CATEGORIES[c][:words]) for c in others)]
         target = options[0]
         rng.shuffle(options)
     label = LETTERS[options.index(target)] if answer == "letter" else target
@@ -94,7 +95,8 @@ def render(ex: dict, with_answer: bool = True) -> str:
 
 def rule_induction_sample(rng: random.Random, task: str, n_relevant: int, n_distractor: int,
                           distance: int | None = None, answer: str = "letter", number_max: int = 1000,
-                          split: str | None = None, val_fraction: float = 0.1, test_fraction: float = 0.1) -> dict:
+                          split: str | None = None, val_fraction: float = 0.1, test_fraction: float = 0.1,
+                          words_per_category: int = 12) -> dict:
     """One prompt of ``task`` ("<category>/<smallest|largest>"): ``{"context": str (examples, each ending in a
     newline), "query": str (ending in "Answer:["), "answer": str, "task", "distance"}``. With ``split``, every
     example is drawn from that split only."""
@@ -108,7 +110,7 @@ def rule_induction_sample(rng: random.Random, task: str, n_relevant: int, n_dist
 
     def draw(kind):
         for _ in range(10_000):
-            ex = _example(rng, kind, answer, number_max)
+            ex = _example(rng, kind, answer, number_max, words_per_category)
             if split is None or split_of(ex["key"], val_fraction, test_fraction) == split:
                 return ex
         raise RuntimeError(f"no {split} example of {kind} in 10000 draws: raise data.{split}_fraction")
@@ -161,7 +163,7 @@ class _Pretrain(IterableDataset):
                 continue
             s = rule_induction_sample(rng, rng.choice(TASKS), rng.randint(1, dm.n_relevant),
                                       rng.randint(0, dm.n_distractor), None, dm.answer, dm.number_max, "train",
-                                      dm.val_fraction, dm.test_fraction)
+                                      dm.val_fraction, dm.test_fraction, dm.words_per_category)
             ids, answers = [], []
             *heads, tail = (s["context"] + s["query"] + s["answer"] + "].").split("Answer:[")
             for piece in heads:  # word-level pieces: encoding piece by piece is encoding the whole
@@ -217,6 +219,7 @@ class RuleInductionDataModule(L.LightningDataModule):
         n_test: queries per task and distance; n_val: per task (random distance).
         answer_only_share: share of pretraining prompts whose loss masks only the examples' answers (LLaDA's SFT
             form: everything else is the clean prompt); the rest mask every token (its pretraining form).
+        words_per_category: how many of each category's 12 words are drawn (fewer: an easier rule for a tiny model).
         seq_len: the context N of a fine-tune pair (question, answer and appended masks; the MA loss cuts a longer
             question from its start) and the longest pretraining sequence (prompts beyond it are refused).
     """
@@ -226,7 +229,7 @@ class RuleInductionDataModule(L.LightningDataModule):
                  distances=(None,), n_val: int = 4, n_test: int = 4, arithmetic_share: float = 0.2,
                  batch_size: int = 8, val_fraction: float = 0.1, test_fraction: float = 0.1, seed: int = 0,
                  question_field: str = "question", answer_field: str = "response", seq_len: int = 1024,
-                 answer_only_share: float = 0.0):
+                 answer_only_share: float = 0.0, words_per_category: int = 12):
         super().__init__()
         if train not in ("pretrain", "qa"):
             raise ValueError(f"data.train={train!r}: choose pretrain (the suite, LLaDA's loss) or qa (fine-tune pairs)")
@@ -247,6 +250,9 @@ class RuleInductionDataModule(L.LightningDataModule):
         self.batch_size, self.val_fraction, self.test_fraction, self.seed = batch_size, val_fraction, test_fraction, seed
         self.question_field, self.answer_field, self.seq_len = question_field, answer_field, seq_len
         self.answer_only_share = answer_only_share
+        if not 1 <= words_per_category <= 12:
+            raise ValueError(f"data.words_per_category={words_per_category}: 1..12 (the suite's lists hold 12 words)")
+        self.words_per_category = words_per_category
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -257,7 +263,8 @@ class RuleInductionDataModule(L.LightningDataModule):
         for task in TASKS:
             for _ in range(n_per_task):
                 s = rule_induction_sample(rng, task, self.n_relevant, self.n_distractor, distance, self.answer,
-                                          self.number_max, split, self.val_fraction, self.test_fraction)
+                                          self.number_max, split, self.val_fraction, self.test_fraction,
+                                          self.words_per_category)
                 answer_ids = self.encode(s["answer"])
                 if len(answer_ids) != 1:
                     raise ValueError(f"answer {s['answer']!r} is {len(answer_ids)} tokens for this tokenizer: the "

@@ -186,7 +186,7 @@ def test_tiny_mdlm_solves_the_suite_at_k0_and_masks_take_gradient(tiny_models):
 
     cfg = compose("mdlm_masks_tiny")
     tok = suite_tokenizer()
-    dm = RuleInductionDataModule(tok, n_relevant=5, n_distractor=10, answer="word")
+    dm = RuleInductionDataModule(tok, n_relevant=5, n_distractor=10, answer="word", words_per_category=4)
     module = MDLMModule(OmegaConf.to_container(cfg.backbone, resolve=True), ks=[0, 32])
     module._tokenizer = lambda: tok
     module.configure_model()
