@@ -93,7 +93,11 @@ class Probes:
 def train_probes(x: torch.Tensor, y: torch.Tensor, epochs: int = 20, lr: float = 1e-2, batch_size: int = 64,
                  weight_decay: float = 0.0, seed: int = 0) -> Probes:
     """One-vs-rest logistic probes for every layer at once: x (N, L, d) pooled activations, y (N, K) 0/1 labels."""
-    x, y = x.double(), y.double()
+    with torch.inference_mode(False), torch.enable_grad():   # Lightning's test loop runs in inference mode
+        return _train_probes(x.double().clone(), y.double().clone(), epochs, lr, batch_size, weight_decay, seed)
+
+
+def _train_probes(x, y, epochs, lr, batch_size, weight_decay, seed) -> Probes:
     mu, sd = x.mean(0), x.std(0).clamp_min(1e-6)
     z = (x - mu) / sd
     N, L, d = x.shape
@@ -103,14 +107,13 @@ def train_probes(x: torch.Tensor, y: torch.Tensor, epochs: int = 20, lr: float =
     b = torch.zeros(L, K, dtype=torch.float64, requires_grad=True)
     opt = torch.optim.Adam([w, b], lr=lr, weight_decay=weight_decay)
     target = y[:, None, :].expand(N, L, K)
-    with torch.enable_grad():
-        for _ in range(epochs):
-            for idx in torch.randperm(N, generator=g).split(batch_size):
-                logits = torch.einsum("nld,lkd->nlk", z[idx], w) + b
-                loss = F.binary_cross_entropy_with_logits(logits, target[idx])
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
+    for _ in range(epochs):
+        for idx in torch.randperm(N, generator=g).split(batch_size):
+            logits = torch.einsum("nld,lkd->nlk", z[idx], w) + b
+            loss = F.binary_cross_entropy_with_logits(logits, target[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
     w, b = w.detach(), b.detach()
     w_raw = w / sd[:, None, :]                                   # w·(x-μ)/σ + b = (w/σ)·x + (b - (w/σ)·μ)
     return Probes(w_raw, b - torch.einsum("lkd,ld->lk", w_raw, mu))
