@@ -222,6 +222,27 @@ def test_subspace_path_tiny_slice_matches_mask_and_other_switches(tmp_path):
     get = lambda m, k: m["final"][k]  # noqa: E731
     # tiny-lm is GQA (2 KV heads): slice widens masks to whole groups, so compare the dense side exactly
     assert get(mask, "test/selected/ppl_dense") == pytest.approx(get(sl, "test/selected/ppl_dense"), rel=1e-6)
+    pruned_heads = get(sl, "test/pruned_fraction") * 16 * 2       # 2 scenarios x 16 heads, whole groups of 2
+    assert pruned_heads == pytest.approx(round(pruned_heads)) and round(pruned_heads) % 2 == 0
     run_experiment("subspace_path_tiny", tmp_path / "qo", overrides=SMOKE + [
         "model.basis=quasi_orthogonal", "model.n_domains=3", "model.calib.enabled=true", "model.importance.mode=multi",
         "model.importance.pool=per_token", "model.budget.mode=paper_sum", "model.whitelist.test=none"])
+
+
+def test_embedded_documents_by_source_are_the_corpus_with_their_modules():
+    from datamodules.common.corpus import embedded_documents, embedded_documents_by_source
+    from datamodules.subspace_path import family_of
+
+    pairs = embedded_documents_by_source()
+    assert [t for _, t in pairs] == embedded_documents()
+    sources = dict(pairs)
+    assert "socket" in sources and "socket" in sources["socket"].lower()
+    assert any(s.startswith("reference.") for s in sources) and any(s.startswith("asyncio.") for s in sources)
+    assert family_of("asyncio.tasks") == "concurrency" and family_of("reference.if") == "reference"
+
+
+def test_max_abs_cosine():
+    from lightning_modules.common.embedding import max_abs_cosine
+
+    assert max_abs_cosine(torch.eye(3)) == pytest.approx(0.0)
+    assert max_abs_cosine(torch.tensor([[1.0, 0.0], [-1.0, 0.2], [0.0, 1.0]])) == pytest.approx(1 / math.sqrt(1.04))
