@@ -142,7 +142,7 @@ def test_whitelist_keeps_backbone_heads_and_drops_domain_specific_ones():
     for k in range(K):
         s = 0.05 * torch.rand(N, L, H, generator=g, dtype=torch.float64)
         s += 0.3 * torch.rand(1, L, H, generator=g, dtype=torch.float64)   # domain-dependent background
-        s[:, 0, 0] = 0.9 + 0.05 * torch.rand(N, generator=g, dtype=torch.float64)                    # backbone: high for every domain
+        s[:, 0, 0] = 0.9 + 0.05 * torch.rand(N, generator=g, dtype=torch.float64)
         s[:, 1, 2] += 0.9 if k == 0 else 0.0  # domain-0 specialist: high mean, high variance
         # (0, 0) is the backbone head: high for every domain
         samples.append(s)

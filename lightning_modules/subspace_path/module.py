@@ -36,8 +36,8 @@ from typing import Any, Mapping
 
 import torch
 
-from lightning_modules.common.activations import capture, decoder_layers
-from lightning_modules.common.attention import head_mask, kv_group_mask, prune_heads
+from lightning_modules.common.activations import capture
+from lightning_modules.common.attention import attention_modules, head_mask, kv_group_mask, prune_heads
 from lightning_modules.common.lm import CausalLMModule
 from lightning_modules.subspace_path.method import (BUDGET_MODES, Probes, bisect_eta, compile_mask, fit_temperatures,
                                                     importance_terms, quasi_orthogonal, recall, strip_stop_words,
@@ -138,12 +138,14 @@ class SubspacePathModule(CausalLMModule):
         if writes_axes is None:
             return feats
         terms = []
-        for l in range(L):
-            w = acts["head_write"][l][0].double().cpu()                       # (T, H, d)
+        for l in range(L):   # on the model's device: a 13B layer's writes are (T, 40, 5120)
+            w = acts["head_write"][l][0]                                        # (T, H, d)
+            u = writes_axes[l].to(w.device)
             if self.imp_cfg["pool"] == "mean_write":
-                terms.append(importance_terms(w.mean(0), writes_axes[l], self.imp_cfg["eps"]))
+                t = importance_terms(w.double().mean(0), u, self.imp_cfg["eps"])
             else:
-                terms.append(importance_terms(w, writes_axes[l], self.imp_cfg["eps"]).mean(0))
+                t = importance_terms(w, u, self.imp_cfg["eps"]).mean(0)
+            terms.append(t.cpu())
         return feats, torch.stack(terms)                                       # (L, H, K)
 
     def _features(self, tok, pools: Mapping[str, list[str]], domains: list[str]):
@@ -220,7 +222,7 @@ class SubspacePathModule(CausalLMModule):
 
     # --- online ----------------------------------------------------------------------------------
     def _kv_groups(self) -> int:
-        attn = decoder_layers(self.model)[0].self_attn
+        attn = attention_modules(self.model)[0]
         return attn.k_proj.out_features // attn.head_dim
 
     def compile(self, probs: torch.Tensor, eta: float | None = None, target_prune: float | None = None):
