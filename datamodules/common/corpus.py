@@ -3,7 +3,8 @@
 Docstrings are read with ``ast.get_docstring`` from the ``.py`` sources, never by importing the modules
 (some have side effects). ``embedded_documents_by_source()`` keeps where each document came from (a stdlib module's
 dotted name, or ``reference.<topic>`` for the manual), so stdlib families serve as text domains.
-Documents are deduplicated by content; ``datamodules.common.splits`` splits them into train/val/test by a hash of the document, so the split never depends on order or on how many documents there are.
+Documents are deduplicated by content; ``datamodules.common.splits`` splits them into train/val/test by a hash of
+the document, so the split never depends on order or on how many documents there are.
 """
 from __future__ import annotations
 
