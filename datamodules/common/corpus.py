@@ -1,8 +1,10 @@
 """The corpus that needs no download: the Python reference manual plus standard-library docstrings.
 
 Docstrings are read with ``ast.get_docstring`` from the ``.py`` sources, never by importing the modules
-(some have side effects). Documents are deduplicated by content; ``datamodules.common.splits`` splits them into
-train/val/test by a hash of the document, so the split never depends on order or on how many documents there are.
+(some have side effects). ``embedded_documents_by_source()`` keeps where each document came from (a stdlib module's
+dotted name, or ``reference.<topic>`` for the manual), so stdlib families serve as text domains.
+Documents are deduplicated by content; ``datamodules.common.splits`` splits them into train/val/test by a hash of
+the document, so the split never depends on order or on how many documents there are.
 """
 from __future__ import annotations
 
@@ -65,3 +67,42 @@ def embedded_documents() -> list[str]:
     tmp.write_text(json.dumps(docs))
     tmp.replace(path)
     return docs
+
+
+def _build_sourced() -> list[tuple[str, str]]:
+    from pydoc_data.topics import topics
+
+    pairs = [(f"reference.{k}", topics[k]) for k in sorted(topics)]
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(stdlib.rglob("*.py")):
+        rel = path.relative_to(stdlib)
+        if _SKIP_DIRS.intersection(rel.parts[:-1]):
+            continue
+        try:
+            parts = _docstrings_of(path.read_text(encoding="utf-8", errors="replace"))
+        except (SyntaxError, ValueError, OSError):
+            continue
+        if parts:
+            name = ".".join(rel.with_suffix("").parts).removesuffix(".__init__")
+            pairs.append((name, "\n\n".join(parts)))
+    pairs = [(src, d.encode("utf-8", errors="replace").decode("utf-8").strip()) for src, d in pairs]
+    seen, out = set(), []
+    for src, d in pairs:  # each text once, under its first source
+        if d and d not in seen:
+            seen.add(d)
+            out.append((src, d))
+    return out
+
+
+def embedded_documents_by_source() -> list[tuple[str, str]]:
+    """(source, text) pairs of the embedded corpus: source is a stdlib module's dotted name (``asyncio.tasks``,
+    ``os``) or ``reference.<topic>`` for a Python-manual topic; the same texts as ``embedded_documents()``."""
+    path = cache_root() / "corpus" / f"sourced-{corpus_key()}.json"
+    if path.exists():
+        return [tuple(p) for p in json.loads(path.read_text())]
+    pairs = _build_sourced()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(pairs))
+    tmp.replace(path)
+    return pairs

