@@ -71,6 +71,20 @@ def qat_table(jobs: list[dict]) -> pd.DataFrame:
     return add_deltas(table)
 
 
+def error_table(jobs: list[dict]) -> pd.DataFrame:
+    """One row per (job, task, format, n) of an error_law job (``results.error_law.rows``): n, k right of m,
+    acc, plus the job's model, seed and overrides (so a sweep's cells stay apart)."""
+    rows = []
+    for job in jobs:
+        res = job["metrics"].get("results", {}).get("error_law")
+        if not res:
+            continue
+        extra = {k: v for k, v in job["flat"].items() if k in ("seed",) or "." in k}  # the overrides
+        for r in res["rows"]:
+            rows.append({**extra, "model": res.get("model"), **r, "job": job["dir"]})
+    return pd.DataFrame(rows)
+
+
 def add_deltas(table: pd.DataFrame, keys=("N", "D", "seed"), reference: str = "fp", by: str = "precision",
                value: str = "loss", out: str = "delta") -> pd.DataFrame:
     """``out`` = value − value of the ``reference`` row with the same keys (same job first, else any job)."""

@@ -151,16 +151,18 @@ def heldout_corner(df: pd.DataFrame, inputs=("N", "D")) -> np.ndarray:
 def fit_law(law: Law | str, df: pd.DataFrame, huber_delta: float | None = None, holdout: np.ndarray | str | None = "corner",
             top_k: int = 8, init: np.ndarray | None = None) -> FitResult:
     law = get_law(law) if isinstance(law, str) else law
-    missing = [c for c in (*law.inputs, law.target) if c not in df]
+    missing = [c for c in (*law.inputs, *law.counts, law.target) if c not in df]
     if missing:
         raise ValueError(f"the table has no column(s) {missing} that law {law.name!r} needs")
-    df = df.dropna(subset=[*law.inputs, law.target]).reset_index(drop=True)
+    df = df.dropna(subset=[*law.inputs, *law.counts, law.target]).reset_index(drop=True)
     bad = df[law.target].to_numpy() <= 0
+    if law.counts:  # a likelihood on counts holds rows with nothing right
+        bad[:] = False
     dropped = df[bad].to_dict("records")
     df = df[~bad].reset_index(drop=True)
     hold = np.zeros(len(df), dtype=bool)
     if isinstance(holdout, str) and holdout == "corner":
-        hold = heldout_corner(df)
+        hold = heldout_corner(df, law.corner)
     elif holdout is not None and not isinstance(holdout, str):
         hold = np.asarray(holdout, dtype=bool)[~bad]
     if (~hold).sum() < len(law.params) + 1:  # too few rows to hold any out
@@ -168,7 +170,7 @@ def fit_law(law: Law | str, df: pd.DataFrame, huber_delta: float | None = None, 
     train = df[~hold]
     if len(train) < len(law.params) - len(law.frozen({c: train[c].to_numpy() for c in law.inputs})) + 1:
         raise ValueError(f"{law.name}: {len(train)} usable rows (target > 0) cannot fit {len(law.params)} parameters")
-    Xn = {c: train[c].to_numpy(dtype=np.float64) for c in law.inputs}
+    Xn = {c: train[c].to_numpy(dtype=np.float64) for c in (*law.inputs, *law.counts)}
     y = train[law.target].to_numpy(dtype=np.float64)
     X = {c: torch.tensor(v) for c, v in Xn.items()}
     logy = torch.log(torch.tensor(y))
@@ -192,8 +194,9 @@ def fit_law(law: Law | str, df: pd.DataFrame, huber_delta: float | None = None, 
     thetas = np.array([t for t, _ in polished])
     i = _best(thetas, np.array([o for _, o in polished]), 1)[0]
     theta, obj = thetas[i], polished[i][1]
-    pred = np.log(law.predict(theta, Xn))
-    ly = np.log(y)
+    pos = y > 0  # every row, except count rows with k = 0
+    pred = np.log(law.predict(theta, Xn))[pos]
+    ly = np.log(y[pos])
     ss_res, ss_tot = float(((ly - pred) ** 2).sum()), float(((ly - ly.mean()) ** 2).sum())
     result = FitResult(law=law.name, constants=law.constants(theta), theta=[float(t) for t in theta],
                        r2_log=1.0 - ss_res / ss_tot if ss_tot > 0 else float("nan"), n_fit=len(train),
@@ -202,7 +205,7 @@ def fit_law(law: Law | str, df: pd.DataFrame, huber_delta: float | None = None, 
         test = df[hold]
         p = law.predict(theta, {c: test[c].to_numpy(dtype=np.float64) for c in law.inputs})
         obs = test[law.target].to_numpy(dtype=np.float64)
-        rel = np.abs(p - obs) / np.abs(obs)
+        rel = np.abs(p - obs) / np.where(obs != 0, np.abs(obs), np.nan)  # no relative error at a zero target
         result.heldout = [{**{c: float(r[c]) for c in law.inputs}, "observed": float(o), "predicted": float(q),
                            "rel_err": float(e)} for (_, r), o, q, e in zip(test.iterrows(), obs, p, rel)]
         result.heldout_rel_err = float(rel.mean())
@@ -257,6 +260,77 @@ def sign_verdict(lo: float, hi: float, sign: int) -> str:
     if lo > 0 or hi < 0:
         return "held" if (lo > 0) == (sign > 0) else "not_held"
     return "inconclusive"
+
+
+# --- the error-law report (accuracy laws fitted to counts) -------------------------------------------------
+ERROR_LAWS = ("error_gamma", "error_gamma_q", "exponential", "logistic_log_n")
+
+
+def binomial_stats(law: Law | str, theta, df: pd.DataFrame) -> dict:
+    """Goodness of fit of an accuracy law on count rows (n, k, m): deviance, Pearson χ², AIC = deviance + 2·params
+    (the binomial AIC up to a constant of the data, so laws compare on the same rows) and the mean |Acc − k/m|."""
+    law = get_law(law) if isinstance(law, str) else law
+    X = {c: torch.tensor(df[c].to_numpy(dtype=np.float64)) for c in (*law.inputs, *law.counts)}
+    th = torch.as_tensor(np.asarray(theta, dtype=np.float64))
+    with torch.no_grad():
+        dev = float(law.objective(th, X, None, 0.0))
+        p = torch.exp(law.log_acc(th, X["n"])).numpy()
+    k, m = df["k"].to_numpy(dtype=np.float64), df["m"].to_numpy(dtype=np.float64)
+    var = np.clip(m * p * (1 - p), 1e-12, None)
+    return {"deviance": dev, "chi2": float(((k - m * p) ** 2 / var).sum()), "aic": dev + 2 * len(law.params),
+            "rows": len(df), "mean_abs_err": float(np.abs(p - k / m).mean())}
+
+
+def error_report(table: pd.DataFrame, laws=ERROR_LAWS, by=("task", "format")) -> dict:
+    """Per ``by`` group of count rows (n, k, m): every law fitted by binomial maximum likelihood on all rows (its
+    constants, deviance, χ², AIC) and again without the largest n, which it then predicts (held-out deviance and
+    |Acc − k/m| there); a group whose answers are all right or all wrong is skipped. ``best`` names the law with the lowest AIC and the one with the lowest held-out deviance."""
+    table = table.assign(acc=table["k"] / table["m"])
+    keys = [c for c in by if c in table]
+    out: dict = {"groups": {}, "skipped": {}}
+    for name, sub in (table.groupby(keys, dropna=False) if keys else [((), table)]):
+        label = "/".join(map(str, name if isinstance(name, tuple) else (name,))) or "all"
+        sub = sub.groupby("n", as_index=False)[["k", "m"]].sum().assign(acc=lambda t: t["k"] / t["m"])
+        if (sub["k"] == 0).all() or (sub["k"] == sub["m"]).all():  # every law fits it perfectly: nothing to compare
+            out["skipped"][label] = (f"degenerate: every answer {'wrong' if (sub['k'] == 0).all() else 'right'} at "
+                                     f"n = {sorted(sub['n'].tolist())}; move n_grid (or train longer) so accuracy spans")
+            continue
+        group: dict = {}
+        hold = sub["n"].to_numpy() == sub["n"].max()
+        for law_name in laws:
+            law = get_law(law_name)
+            try:
+                full = fit_law(law, sub, holdout=None)
+                part = fit_law(law, sub, holdout=hold) if len(sub) > len(law.params) + 1 else None
+            except ValueError as err:
+                out["skipped"][f"{label} {law_name}"] = str(err)
+                continue
+            entry = {"constants": full.constants, "theta": full.theta, **binomial_stats(law, full.theta, sub)}
+            if part is not None:
+                held = binomial_stats(law, part.theta, sub[hold])
+                entry.update(heldout_n=float(sub["n"].max()), heldout_deviance=held["deviance"],
+                             heldout_abs_err=held["mean_abs_err"], heldout_constants=part.constants)
+            group[law_name] = entry
+        if group:
+            out["groups"][label] = {"laws": group, "rows": sub.to_dict("records"),
+                                    "best_aic": min(group, key=lambda k: group[k]["aic"]),
+                                    "best_heldout": min((k for k in group if "heldout_deviance" in group[k]),
+                                                        key=lambda k: group[k]["heldout_deviance"], default=None)}
+    return out
+
+
+def error_markdown(report: dict) -> str:
+    lines = ["| group | law | constants | deviance | χ² | AIC | held-out n | held-out deviance | held-out abs err |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for label, g in report["groups"].items():
+        for name, f in g["laws"].items():
+            consts = ", ".join(f"{k}={v:.4g}" for k, v in f["constants"].items() if not k.startswith(("log_", "logit_")))
+            held = [f"{f[k]:.4g}" if k in f else "—" for k in ("heldout_n", "heldout_deviance", "heldout_abs_err")]
+            lines.append(f"| {label} | {name} | {consts} | {f['deviance']:.4g} | {f['chi2']:.4g} | {f['aic']:.4g} | "
+                         + " | ".join(held) + " |")
+    for name, why in report["skipped"].items():
+        lines.append(f"| {name} | skipped: {why} | | | | | | | |")
+    return "\n".join(lines) + "\n"
 
 
 # --- the QAT-law report ------------------------------------------------------------------------------------
@@ -366,11 +440,17 @@ def main(argv=None) -> int:
     else:
         jobs, failures = collect(*args.sources)
         table = qat_table(jobs) if args.law == "qat_delta" else pd.DataFrame([j["flat"] for j in jobs])
+        if get_law(args.law).counts:
+            from sweeps.collect import error_table
+
+            table = error_table(jobs)
     for cond in args.where:
         col, val = cond.split("=", 1)
         table = table[table[col].astype(str) == val]
     for f in failures:
         print(f"excluded failed job {f['dir']}: {f['status'][:200]}")
+    if get_law(args.law).counts:  # accuracy laws on count rows (error_law): their own report
+        return error_main(args, table, failures)
     if args.law == "qat_delta":
         report = qat_report(table, args.huber_delta, args.bootstrap, args.by, args.level)
     else:
@@ -401,6 +481,26 @@ def main(argv=None) -> int:
         loggers[0].experiment.summary.update({f"{name}/{k}": v for name, f in report["fits"].items()
                                               for k, v in f["constants"].items()})
         wandb.finish()
+    return 0
+
+
+def error_main(args, table: pd.DataFrame, failures: list[dict]) -> int:
+    """``--law error_gamma`` (or any count law): that law and the other accuracy laws per (model, task, format)."""
+    by = tuple(c for c in ("model", "task", "format") if c in table and table[c].nunique(dropna=False) > 1) or ("task", "format")
+    report = error_report(table, (args.law, *(law for law in ERROR_LAWS if law != args.law)), by=by)
+    report["failed_jobs"] = [{"dir": f["dir"], "status": f["status"]} for f in failures]
+    text = error_markdown(report)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        table.to_csv(out.with_name(out.name + ".csv"), index=False)
+        out.with_name(out.name + "_fit.json").write_text(json.dumps(report, indent=2, default=float))
+        out.with_name(out.name + "_fit.md").write_text(text)
+        from sweeps.plot import plot_accuracy
+
+        plot_accuracy(report, out.with_name(out.name + ".png"), law=args.law)
+        print(f"wrote {out}.csv, {out}_fit.json, {out}_fit.md, {out}.png")
     return 0
 
 

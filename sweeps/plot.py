@@ -77,3 +77,38 @@ def plot_report(table: pd.DataFrame, report: dict, path, wandb_key: str = "qat_l
     log_figure(wandb_key, fig, loggers)  # closes it
     return path
 
+
+
+def plot_accuracy(report: dict, path, law: str = "error_gamma", others=("exponential", "logistic_log_n"),
+                  wandb_key: str = "error_law/fit", loggers=()):
+    """Accuracy against n, one panel per group of ``sweeps.fit.error_report``: the measured k/m with binomial
+    standard errors and the fitted ``law`` (solid) and ``others`` (dashed) over the measured range."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = report["groups"]
+    fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(4.0 * max(1, len(groups)), 3.4), squeeze=False)
+    for ax, (label, g) in zip(axes[0], groups.items()):
+        rows = pd.DataFrame(g["rows"])
+        acc = rows["k"] / rows["m"]
+        ax.errorbar(rows["n"], acc, yerr=np.sqrt(acc * (1 - acc) / rows["m"]), fmt="o", ms=3, color="k", label="measured")
+        grid = np.linspace(rows["n"].min(), rows["n"].max(), 100)
+        for name in (law, *others):
+            if name in g["laws"]:
+                ax.plot(grid, get_law(name).predict(g["laws"][name]["theta"], {"n": grid}),
+                        ls="-" if name == law else "--", lw=1, label=f"{name} (dev {g['laws'][name]['deviance']:.3g})")
+        ax.set_title(label, fontsize=8)
+        ax.set_xlabel("n (items processed)")
+        ax.set_ylabel("exact-match accuracy")
+        ax.set_ylim(-0.02, 1.02)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    from lightning_modules.common.dashboard import log_figure
+
+    log_figure(wandb_key, fig, loggers)  # closes it
+    return path

@@ -60,3 +60,26 @@ def load_tokenizer(pretrained: str | None = None, vocab_size: int = 2048, corpus
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+# --- a closed character-level tokenizer (error_law: one processed symbol = one token) -------------------------
+UNK = "<|unk|>"
+CHAR_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz +-*=:,|[]<>#\n"
+
+
+def char_tokenizer(alphabet: str = CHAR_ALPHABET, vocab_size: int | None = None):
+    """A transformers fast tokenizer with one token per character of ``alphabet`` (ids 3...), after
+    ``<|endoftext|>`` = 0 (bos/eos, as tiny_llama expects), ``<|pad|>`` = 1 and ``<|unk|>`` = 2 for any other
+    character. ``vocab_size`` is the model's embedding size: it must hold the alphabet (the rows past it stay unused)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(dict.fromkeys(alphabet))
+    vocab = {tok: i for i, tok in enumerate([EOS, PAD, UNK, *chars])}
+    if vocab_size is not None and vocab_size < len(vocab):
+        raise ValueError(f"char_tokenizer: vocab_size={vocab_size} < {len(vocab)} symbols (3 special + the alphabet); "
+                         f"set data.tokenizer.vocab_size >= {len(vocab)}")
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every character its own piece
+    tok.decoder = decoders.Fuse()  # and back without separators
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, pad_token=PAD, unk_token=UNK)
