@@ -36,7 +36,7 @@ from lightning_modules.esr.metrics import derangement, esr_metrics, find_detecto
 from lightning_modules.esr.sae import FORMATS, SAE, fit_stats, load_sae, save_saelens, train_sae
 from lightning_modules.esr.threshold import bisect
 
-SAE_DEFAULTS = {"format": "train", "path": None, "layer": 2, "d_sae": 1024, "l1": 5e-3, "steps": 1500,
+SAE_DEFAULTS = {"format": "train", "path": None, "layer": 2, "d_sae": 1024, "l1": 0.18, "steps": 800,
                 "batch_size": 256, "lr": 1e-3, "n_texts": 1024, "seed": 0}
 STEER_DEFAULTS = {"layer": 2, "mode": "add", "normalize": True, "exclude_topk": 100, "concreteness_min": None,
                   "concreteness_file": None, "n_latents": 80, "seed": 0}
@@ -256,7 +256,7 @@ class ESRModule(CausalLMModule):
         torch.manual_seed(self.seed)
         sae = self.sae()
         for key, v in self.sae_stats.items():  # a trained SAE's held-out quality (measured on the base model)
-            self.log(f"test/sae/{key}", float(v))
+            self._log(f"test/sae/{key}", v)
 
         # latent pool and draw
         prompt_acts = [sae.encode(a.to(self.device)) for a in
@@ -312,7 +312,7 @@ class ESRModule(CausalLMModule):
             off = self.pooled(heads, [own[j] for j in perm])
             detectors = find_detectors(on, off, float(self.otd["freq"])).tolist()
             self.results["detectors"] = detectors
-            self.log("test/otd/count", float(len(detectors)))
+            self._log("test/otd/count", len(detectors))
             if detectors:
                 run("otd_ablation", detectors)
                 sets = random_sets(sae.d_sae, len(detectors), int(self.otd["random_sets"]), detectors, self.seed)
@@ -320,9 +320,12 @@ class ESRModule(CausalLMModule):
                        enumerate(self.judged(row_items, self.generate(prompts, self.steering(row_latents, row_values, s)))
                                  for s in sets)]
                 for key in ("multi_attempt", "esr"):
-                    self.log(f"test/random_ablation/{key}", float(np.mean([m[key] for m in per])))
-        self.log("test/threshold_mean", float(values.mean()))
-        self.log("test/n_latents", float(L))
+                    self._log(f"test/random_ablation/{key}", np.mean([m[key] for m in per]))
+        self._log("test/threshold_mean", values.mean())
+        self._log("test/n_latents", L)
+
+    def _log(self, name: str, value) -> None:
+        self.log(name, float(value), batch_size=1)
 
     def record(self, name: str, grades: list[dict]) -> dict:
         scores = [[a["score"] for a in g.get("attempts") or []] for g in grades if not g.get("failed")]
@@ -331,5 +334,5 @@ class ESRModule(CausalLMModule):
         self.results[name] = m
         if not name.startswith("random_ablation_"):
             for key, v in m.items():
-                self.log(f"test/{name}/{key}", float(v))
+                self._log(f"test/{name}/{key}", v)
         return m
