@@ -1,8 +1,8 @@
 """ESR's data: "Explain how to …" prompts, their on-topic answers (tiny scale), and self-correction SFT examples.
 
-- ``prompts``: ``tiny`` (the generated tasks below, each with an answer and the keywords the rule judge counts) or a
-  local text file of prompts, one a line (``lightning_modules/esr/prompts.txt``: 38 prompts written for paperlab
-  in the release's style).
+- ``prompts``: ``tiny`` (the generated tasks below, each with an answer and the keywords the rule judge counts),
+  ``shipped`` (``lightning_modules/esr/prompts.txt``: 38 prompts written for paperlab in the release's style) or
+  a local text file of prompts, one a line.
 - The warm-up task ``esr_explain`` (``datamodules.instruct``) teaches tiny-lm the answers.
 - Self-correction examples (the release's experiment 4): ``prompt``, ``distractor`` (2-4 off-topic sentences about
   one of :data:`SUBJECTS`), ``response`` (a one-sentence acknowledgement and the answer); :func:`masked_batch` puts
@@ -157,7 +157,7 @@ def load_prompts(prompts: str) -> list[dict]:
     """``[{prompt, keywords}]``: the tiny tasks (``tiny``) or one prompt a line of a text file (no keywords)."""
     if prompts == "tiny":
         return [{"prompt": explain(t), "keywords": list(kw)} for t, _, kw in TASKS]
-    path = Path(prompts)
+    path = PROMPTS_FILE if prompts == "shipped" else Path(prompts)
     if not path.exists():
         raise FileNotFoundError(f"data.prompts={prompts}: no such file; give a text file of prompts, one a line, or tiny")
     lines = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
@@ -166,11 +166,12 @@ def load_prompts(prompts: str) -> list[dict]:
 
 class ESRDataModule(L.LightningDataModule):
     def __init__(self, tokenizer, prompts: str = "tiny", template: str = "question", n_sft: int = 512,
-                 mix_ratio: float = 0.5, sft_file: str | None = None, batch_size: int = 16, seed: int = 0):
+                 mix_ratio: float = 0.5, sft_file: str | None = None, batch_size: int = 16, seq_len: int = 4096,
+                 seed: int = 0):
         super().__init__()
         self.tokenizer, self.prompts_src, self.template = tokenizer, prompts, template
         self.n_sft, self.mix_ratio, self.sft_file = n_sft, mix_ratio, sft_file
-        self.batch_size, self.seed = batch_size, seed
+        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
         self.prompts = load_prompts(prompts)
         self.sft = None
 

@@ -197,7 +197,7 @@ def test_metrics_match_hand_counts():
 def test_endpoint_and_local_judges_use_the_attempt_rubric(monkeypatch):
     judge = EndpointJudge(endpoint={"url": "http://localhost:1/v1", "model": "judge"})
     seen = []
-    monkeypatch.setattr(judge._client, "chat", lambda text, **kw: seen.append(text) or
+    monkeypatch.setattr(judge.client(), "chat", lambda text, **kw: seen.append(text) or
                         '{"attempts": [{"attempt_text": "x", "score": 10}, {"attempt_text": "y", "score": 70}]}')
     g = judge.grade("Explain how to tie a shoe.", "reply text")
     assert g["score"] == 10 and len(g["attempts"]) == 2
@@ -206,7 +206,7 @@ def test_endpoint_and_local_judges_use_the_attempt_rubric(monkeypatch):
     monkeypatch.setattr(local, "reply", lambda text: "score: 4")
     assert local.grade("p", "r")["score"] == 4                     # spard's 1-5 rubric through the same backend
     with pytest.raises(ValueError, match="no url"):
-        EndpointJudge(endpoint={"model": "judge"})
+        EndpointJudge(endpoint={"model": "judge"}).check()
 
 
 # --- detectors ----------------------------------------------------------------------------------------------------

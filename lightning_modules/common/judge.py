@@ -181,19 +181,28 @@ class EndpointJudge:
 
     def __post_init__(self):
         _check_rubric(self.rubric)
-        from lightning_modules.common.endpoint import EndpointClient
 
-        spec = dict(self.endpoint or {})
-        if not spec.get("url"):
-            raise ValueError("judge=openai_compatible has no url: set judge.endpoint.url (or local.endpoints.<name>.url "
-                             "in conf/local/)")
-        self._client = EndpointClient.from_spec({**spec, "params": {"temperature": 0.0, **dict(self.params or {})}})
+    def client(self):
+        """The endpoint client, built on first use; no url is one line naming where to set it."""
+        if self._client is None:
+            from lightning_modules.common.endpoint import EndpointClient
+
+            spec = dict(self.endpoint or {})
+            if not spec.get("url"):
+                raise ValueError("judge=openai_compatible has no url: set judge.endpoint.url (or "
+                                 "local.endpoints.<name>.url in conf/local/)")
+            self._client = EndpointClient.from_spec({**spec, "params": {"temperature": 0.0, **dict(self.params or {})}})
+        return self._client
+
+    def check(self) -> None:
+        """Fail before any generation on a missing url or model (no request is sent)."""
+        self.client()
 
     def grade(self, prompt: str, response: str, **ctx) -> dict:
         from lightning_modules.common.endpoint import EndpointError
 
         try:
-            text = self._client.chat(RUBRICS[self.rubric].format(prompt=prompt, response=response))
+            text = self.client().chat(RUBRICS[self.rubric].format(prompt=prompt, response=response))
         except EndpointError as err:  # after the client's retries: a failed grade
             return {"score": None, "attempts": [], "failed": True, "reason": str(err)[:200]}
         return _parse(self.rubric, text)

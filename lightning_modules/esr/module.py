@@ -54,7 +54,7 @@ class ESRModule(CausalLMModule):
                  weight_decay: float = 0.0, warmup: Mapping | None = None, lora: Mapping | None = None,
                  sae: Mapping | None = None, steer: Mapping | None = None, threshold: Mapping | None = None,
                  gen: Mapping | None = None, otd: Mapping | None = None, sft: Mapping | None = None, judge=None,
-                 meta_prompt: str | int = "none", seed: int = 0):
+                 meta_prompt: str | int = "none", device_map: str | None = None, seed: int = 0):
         super().__init__(backbone, optimizer, scheduler, weight_decay)
         self.sae_cfg = {**SAE_DEFAULTS, **_plain(sae or {})}
         self.steer = {**STEER_DEFAULTS, **_plain(steer or {})}
@@ -63,6 +63,7 @@ class ESRModule(CausalLMModule):
         self.otd = {**OTD_DEFAULTS, **_plain(otd or {})}
         self.sft = {**SFT_DEFAULTS, **_plain(sft or {})}
         self.meta_prompt = str(meta_prompt)
+        self.device_map = device_map
         if self.steer["mode"] not in S.MODES:
             raise ValueError(f"model.steer.mode={self.steer['mode']!r}: choose one of {', '.join(S.MODES)}")
         if self.sae_cfg["format"] not in ("train", *FORMATS):
@@ -103,7 +104,15 @@ class ESRModule(CausalLMModule):
 
         spec = self.base_spec()
         self._base_spec = spec
-        model = build_backbone(spec)
+        if self.device_map:  # one process, the model split over every visible GPU by accelerate (70B in bf16)
+            from transformers import AutoModelForCausalLM
+
+            from lightning_modules.common.backbone import _dtype, resolve_pretrained
+
+            model = AutoModelForCausalLM.from_pretrained(resolve_pretrained(spec["pretrained"]),
+                                                         dtype=_dtype(spec.get("dtype")), device_map=self.device_map)
+        else:
+            model = build_backbone(spec)
         n = len(decoder_layers(model))
         for key, cfg in (("steer.layer", self.steer), ("sae.layer", self.sae_cfg)):
             if not 0 <= int(cfg["layer"]) < n:
@@ -113,6 +122,18 @@ class ESRModule(CausalLMModule):
 
             model = apply_lora(model, **self.lora)
         return model
+
+    def configure_model(self) -> None:
+        if self.device_map and self.model is None:
+            # not registered as a submodule, so Lightning's move to one device leaves accelerate's split alone
+            object.__setattr__(self, "model", self.build_model().eval())
+            self._modules.pop("model", None)
+            return
+        super().configure_model()
+
+    @property
+    def device(self):
+        return self.model.device if self.device_map and self.model is not None else super().device
 
     def tokenizer(self):
         dm = self.trainer.datamodule
@@ -128,6 +149,11 @@ class ESRModule(CausalLMModule):
         loss = self.model(**b, use_cache=False).loss
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=len(batch))
         return loss
+
+    def setup(self, stage: str) -> None:
+        """Before any weight is loaded: a judge that cannot work (e.g. an endpoint without url) fails here."""
+        if hasattr(self.judge, "check"):
+            self.judge.check()
 
     def on_fit_start(self):
         self.sae()  # trained on the base model's activations, before the fine-tune changes them
