@@ -45,7 +45,7 @@ THRESHOLD_DEFAULTS = {"lo": 0.0, "hi": 5.0, "grid": 10_000, "prior_mu": 1.0, "pr
 GEN_DEFAULTS = {"max_new_tokens": 512, "temperature": 0.6, "repetition_penalty": 1.2, "trials": 10, "batch_size": 64,
                 "unsteered_trials": 1}
 OTD_DEFAULTS = {"enabled": True, "freq": 0.8, "random_sets": 3}
-SFT_DEFAULTS = {"enabled": True, "max_length": 4096}
+SFT_DEFAULTS = {"enabled": True, "max_length": 4096, "adamw_8bit": False}
 META = ("none", "1", "2", "3", "4")
 
 
@@ -154,6 +154,18 @@ class ESRModule(CausalLMModule):
         """Before any weight is loaded: a judge that cannot work (e.g. an endpoint without url) fails here."""
         if hasattr(self.judge, "check"):
             self.judge.check()
+
+    def configure_optimizers(self):
+        if self.sft.get("adamw_8bit"):  # the release's 8-bit AdamW (bitsandbytes, CUDA), with the configured kwargs
+            try:
+                from bitsandbytes.optim import AdamW8bit
+            except ImportError as err:
+                raise ValueError("model.sft.adamw_8bit=true needs bitsandbytes (pip install bitsandbytes, CUDA): or set "
+                                 "model.sft.adamw_8bit=false") from err
+            import functools
+
+            self.optimizer_factory = functools.partial(AdamW8bit, **getattr(self.optimizer_factory, "keywords", {}))
+        return super().configure_optimizers()
 
     def on_fit_start(self):
         self.sae()  # trained on the base model's activations, before the fine-tune changes them
