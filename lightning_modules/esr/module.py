@@ -288,8 +288,15 @@ class ESRModule(CausalLMModule):
         return [self.judge.grade(it["prompt"], r, keywords=it.get("keywords")) for it, r in zip(items, responses)]
 
     # --- the study -----------------------------------------------------------------------------------------------
+    def on_test_epoch_start(self):  # no held-out loss: the study logs its own metrics
+        pass
+
+    def on_test_epoch_end(self):
+        pass
+
     def test_step(self, batch, batch_idx):
         items = self.trainer.datamodule.prompts
+        self.model.eval()
         rng = random.Random(self.seed)
         torch.manual_seed(self.seed)
         sae = self.sae()
