@@ -46,8 +46,9 @@ def main(argv: list[str]) -> dict:
     for name, m in res.items():
         for arm in ("steered", "unsteered", "otd_ablation"):
             if f"test/{arm}/n" in m:
-                print(f"{name:10s} {arm:16s} {m[f'test/{arm}/n']:4.0f} {m[f'test/{arm}/multi_attempt']:7.3f} "
-                      f"{m[f'test/{arm}/esr']:7.3f} {m[f'test/{arm}/improvement']:7.3f} {m[f'test/{arm}/mean_delta']:7.2f}")
+                r = {k: m.get(f"test/{arm}/{k}", math.nan) for k in ("n", "multi_attempt", "esr", "improvement", "mean_delta")}
+                print(f"{name:10s} {arm:16s} {r['n']:4.0f} {r['multi_attempt']:7.3f} {r['esr']:7.3f} "
+                      f"{r['improvement']:7.3f} {r['mean_delta']:7.2f}")  # nan: no multi-attempt answer
         if "test/random_ablation/multi_attempt" in m:
             print(f"{name:10s} {'random_ablation':16s}      {m['test/random_ablation/multi_attempt']:7.3f} "
                   f"{m['test/random_ablation/esr']:7.3f}")

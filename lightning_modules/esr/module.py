@@ -350,7 +350,7 @@ class ESRModule(CausalLMModule):
         self.results.update(latents=latents, thresholds=thresholds.tolist(), examples=texts[:8], unsteered_examples=plain[:4])
 
         if self.otd["enabled"]:
-            own = plain[:len(items)] if int(self.gen["unsteered_trials"]) == 1 else plain[::int(self.gen["unsteered_trials"])]
+            own = plain[::int(self.gen["unsteered_trials"])]  # each prompt's first unsteered answer
             heads = [self.prompt_text(it) for it in items]
             perm = derangement(len(items), self.seed)
             on = self.pooled(heads, own)
