@@ -239,6 +239,13 @@ def test_sft_labels_mask_prompt_and_off_topic_span():
     tok = corpus_tokenizer(512, "embedded")
     exs = self_corrections(10, 0.5, seed=3)
     assert sum(bool(e["distractor"]) for e in exs) == 5
+    for e in exs:
+        if e["distractor"]:
+            assert 2 <= e["distractor"].count(".") <= 4 and split_attempts(e["distractor"] + e["response"])[1:]
+    from datamodules.esr import SUBJECTS, load_prompts
+
+    shipped = load_prompts("shipped")
+    assert len(SUBJECTS) == 50 and len(shipped) == 38 and all(p["prompt"].startswith("Explain how") for p in shipped)
     b = masked_batch(tok, exs)
     for row, (e, ids, lab) in enumerate(zip(exs, b["input_ids"], b["labels"])):
         head = len(tok(e["prompt"] + e["distractor"], add_special_tokens=False)["input_ids"])
