@@ -35,7 +35,8 @@ from datamodules.common.loaders import MalformedRecordError
 Pair = dict[str, Any]
 GENERATORS: dict[str, Callable[..., list[Pair]]] = {}
 # name -> module that registers it on import (a paper's generators live with its data module)
-PROVIDERS: dict[str, str] = {"vault": "datamodules.spard", "spard_aligned": "datamodules.spard"}
+PROVIDERS: dict[str, str] = {"vault": "datamodules.spard", "spard_aligned": "datamodules.spard",
+                             "esr_explain": "datamodules.esr"}
 
 # Prompt templates (``{prompt}`` is the instruction text). ``alpaca`` is the Alpaca instruction/response layout.
 TEMPLATES = {

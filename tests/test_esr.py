@@ -1,0 +1,292 @@
+"""ESR (issue 21): steering hooks, the SAE and its release loaders, bisection, attempt judging, metrics, detectors,
+SFT masking, bad input, and the tiny experiment end to end."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_modules.common.activations import intervene
+from lightning_modules.common.judge import AttemptRuleJudge, EndpointJudge, HFLocalJudge, parse_attempts, split_attempts
+from lightning_modules.esr import steer as S
+from lightning_modules.esr.metrics import derangement, esr_metrics, find_detectors
+from lightning_modules.esr.sae import SAE, load_gemmascope, load_goodfire, load_sae, load_saelens, save_saelens
+from lightning_modules.esr.threshold import bisect
+from tests.helpers import compose, run_experiment
+
+
+def tiny_llama(layers=3, d=32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=d, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def random_sae(d_in=32, d_sae=48, seed=0, activation="relu"):
+    g = torch.Generator().manual_seed(seed)
+    sae = SAE(d_in, d_sae, activation, apply_b_dec_to_input=True)
+    with torch.no_grad():
+        for name in ("W_enc", "W_dec", "b_enc", "b_dec"):
+            getattr(sae, name).copy_(torch.randn(getattr(sae, name).shape, generator=g) * 0.5)
+        sae.threshold.copy_(torch.rand(d_sae, generator=g) * 0.3)
+    return sae
+
+
+# --- steering -----------------------------------------------------------------------------------------------------
+def _next_block_input(model, layer, run):
+    """What block ``layer + 1`` receives (block ``layer``'s output after every hook) while ``run()`` runs."""
+    seen = []
+    h = model.model.layers[layer + 1].register_forward_pre_hook(lambda m, a, k: seen.append((a[0] if a else k["hidden_states"]).clone()),
+                                                                with_kwargs=True)
+    try:
+        run()
+    finally:
+        h.remove()
+    return seen
+
+
+def test_boost_adds_value_times_unit_direction_everywhere_cached_too():
+    model, sae, layer = tiny_llama(), random_sae(), 1
+    ids = torch.randint(0, 64, (2, 7))
+    d = S.directions(sae, [3, 5])
+    values = torch.tensor([1.5, -0.7])
+    assert torch.allclose(d.norm(dim=-1), torch.ones(2))
+    with torch.no_grad():
+        (base,) = _next_block_input(model, layer, lambda: model(ids))
+        with intervene(model, layer, S.boost(d, values)):
+            (full,) = _next_block_input(model, layer, lambda: model(ids))
+            past = model(ids[:, :6], use_cache=True).past_key_values
+            (step,) = _next_block_input(model, layer, lambda: model(ids[:, 6:], past_key_values=past, use_cache=True))
+    want = (values[:, None] * d)[:, None, :].expand_as(base)
+    assert torch.allclose(full - base, want, atol=1e-5)          # every position, each row its own latent
+    assert torch.allclose(step[:, 0], full[:, 6], atol=1e-5)       # cached decoding gets the same boost
+
+
+def test_boost_zero_leaves_logits_bit_identical():
+    model, sae = tiny_llama(), random_sae()
+    ids = torch.randint(0, 64, (2, 5))
+    with torch.no_grad():
+        ref = model(ids).logits
+        with intervene(model, 2, S.boost(S.directions(sae, [1, 2]), torch.zeros(2))):
+            out = model(ids).logits
+    assert torch.equal(ref, out)
+
+
+def test_clamp_keeps_sae_error_and_is_noop_where_latent_is_off():
+    sae = random_sae(activation="jumprelu")
+    h = torch.randn(2, 40, 32)
+    f = sae.encode(h)
+    i = int(((f > 0).float().mean((0, 1)) - 0.5).abs().argmin())   # a latent on at some positions, off at others
+    out = S.clamp_zero(sae, [i])(h, torch.arange(40))
+    f0 = f.clone()
+    f0[..., i] = 0
+    assert torch.allclose(out, sae.decode(f0) + (h - sae.decode(f)), atol=1e-5)   # reconstruction w/o i + error
+    off = f[..., i] == 0
+    assert off.any() and (~off).any()
+    assert torch.equal(out[off], h[off])
+
+
+# --- SAE and release loaders --------------------------------------------------------------------------------------
+def _reference(W_enc, b_enc, W_dec, b_dec, x, threshold=None, centre=False):
+    z = (x - b_dec if centre else x) @ W_enc + b_enc
+    f = np.where(z > threshold, z, 0) if threshold is not None else np.maximum(z, 0)
+    return f, f @ W_dec + b_dec
+
+
+def test_loaders_read_release_layouts(tmp_path):
+    rng = np.random.default_rng(0)
+    d_in, d_sae = 16, 40
+    W_enc, W_dec = rng.normal(size=(d_in, d_sae)).astype(np.float32), rng.normal(size=(d_sae, d_in)).astype(np.float32)
+    b_enc, b_dec = rng.normal(size=d_sae).astype(np.float32), rng.normal(size=d_in).astype(np.float32)
+    thr = rng.uniform(0, 1, d_sae).astype(np.float32)
+    x = rng.normal(size=(5, d_in)).astype(np.float32)
+
+    # GemmaScope: params.npz, JumpReLU, input not centred
+    (tmp_path / "gs").mkdir()
+    np.savez(tmp_path / "gs" / "params.npz", W_enc=W_enc, W_dec=W_dec, b_enc=b_enc, b_dec=b_dec, threshold=thr)
+    sae = load_gemmascope(tmp_path / "gs")
+    f, xh = _reference(W_enc, b_enc, W_dec, b_dec, x, threshold=thr)
+    assert np.allclose(sae.encode(torch.from_numpy(x)).numpy(), f, atol=1e-4)
+    assert np.allclose(sae(torch.from_numpy(x)).numpy(), xh, atol=1e-3)
+
+    # SAELens: cfg.json + sae_weights.safetensors, standard (ReLU, b_dec subtracted)
+    from safetensors.numpy import save_file
+
+    (tmp_path / "sl").mkdir()
+    save_file({"W_enc": W_enc, "W_dec": W_dec, "b_enc": b_enc, "b_dec": b_dec}, str(tmp_path / "sl" / "sae_weights.safetensors"))
+    (tmp_path / "sl" / "cfg.json").write_text(json.dumps({"d_in": d_in, "d_sae": d_sae, "architecture": "standard",
+                                                          "apply_b_dec_to_input": True, "hook_name": "blocks.2.hook_resid_post"}))
+    sae = load_sae("saelens", tmp_path / "sl")
+    f, xh = _reference(W_enc, b_enc, W_dec, b_dec, x, centre=True)
+    assert np.allclose(sae.encode(torch.from_numpy(x)).numpy(), f, atol=1e-4)
+    assert np.allclose(sae(torch.from_numpy(x)).numpy(), xh, atol=1e-3)
+    back = load_saelens(save_saelens(sae, tmp_path / "again"))    # our writer round-trips through the reader
+    assert torch.equal(back.W_dec, sae.W_dec) and back.apply_b_dec_to_input
+
+    # Goodfire: a torch state dict of nn.Linear encoder / decoder
+    torch.save({"encoder_linear.weight": torch.from_numpy(W_enc.T.copy()), "encoder_linear.bias": torch.from_numpy(b_enc),
+                "decoder_linear.weight": torch.from_numpy(W_dec.T.copy()), "decoder_linear.bias": torch.from_numpy(b_dec)},
+               tmp_path / "gf.pth")
+    sae = load_goodfire(tmp_path / "gf.pth")
+    f, xh = _reference(W_enc, b_enc, W_dec, b_dec, x)
+    assert np.allclose(sae(torch.from_numpy(x)).numpy(), xh, atol=1e-3)
+
+    # a shape mismatch is one line naming the file
+    np.savez(tmp_path / "bad.npz", W_enc=W_enc, W_dec=W_dec[:, :5], b_enc=b_enc, b_dec=b_dec, threshold=thr)
+    with pytest.raises(ValueError, match="bad.npz: W_dec"):
+        load_gemmascope(tmp_path / "bad.npz")
+
+
+# --- threshold ----------------------------------------------------------------------------------------------------
+def test_bisection_finds_a_noisy_monotone_root():
+    hits = 0
+    for seed in range(100):
+        rng = np.random.default_rng(seed)
+        root = rng.uniform(0.6, 1.6)
+        logit = math.log(0.3 / 0.7)
+
+        def score(x):  # first-attempt score falls with the boost; 0.3 exactly at the root
+            s = 1 / (1 + np.exp(-(logit - 4.0 * (x - root))))
+            return np.clip(s + rng.normal(0, 0.1, size=x.shape), 0, 1)
+
+        est = bisect(score, n=1, trials=20, target=0.3)
+        hits += abs(est[0] - root) <= 0.25
+    assert hits >= 90, hits
+
+
+# --- judge and metrics --------------------------------------------------------------------------------------------
+def test_rule_judge_splits_only_at_restart_phrases():
+    judge = AttemptRuleJudge()
+    kw = ["flour", "yeast", "dough", "oven"]
+    g = judge.grade("Explain how to bake bread.", "Penguins live on ice. Wait, that's not right. Mix flour and yeast "
+                    "into a dough, then use the oven.", keywords=kw)
+    assert [a["score"] for a in g["attempts"]] == [0.0, 100.0] and g["score"] == 0.0
+    g = judge.grade("q", "Wait for the dough to rise, then warm the oven. Try again tomorrow.", keywords=kw)
+    assert len(g["attempts"]) == 1 and g["attempts"][0]["score"] == 50.0   # "wait"/"again" alone are not restarts
+    g = judge.grade("q", "Let me try again. Flour and yeast.", keywords=kw)
+    assert len(g["attempts"]) == 1                                 # no empty attempt before a leading restart
+    assert judge.grade("q", "   ", keywords=kw)["failed"]
+    assert split_attempts("A. Let me try again. B. Sorry, I got distracted. C.") == ["A.", "Let me try again. B.",
+                                                                                     "Sorry, I got distracted. C."]
+
+
+def test_attempt_parser_rejects_empty_attempts():
+    ok = parse_attempts('```json\n{"attempts": [{"attempt_text": "a", "score": 20}, {"attempt_text": "b", "score": 80}]}\n```')
+    assert not ok["failed"] and [a["score"] for a in ok["attempts"]] == [20, 80]
+    assert parse_attempts('{"attempts": [{"attempt_text": " ", "score": 20}]}')["failed"]
+    assert parse_attempts('{"attempts": []}')["failed"]
+    assert parse_attempts('{"attempts": [{"attempt_text": "a", "score": 120}]}')["failed"]
+    assert parse_attempts("no json here")["failed"]
+
+
+def test_metrics_match_hand_counts():
+    attempts = [[10], [10, 50], [60, 20], [30, 30, 90], [5], [40, 40]]
+    m = esr_metrics(attempts)
+    assert m["n"] == 6 and m["multi_attempt"] == 4 / 6 and m["esr"] == 2 / 6
+    assert m["improvement"] == 0.5
+    assert m["mean_delta"] == pytest.approx((40 - 40 + 60 + 0) / 4)
+    assert m["esr_se"] == pytest.approx(math.sqrt((1 / 3) * (2 / 3) / 6))
+    assert m["multi_attempt_se"] == pytest.approx(math.sqrt((2 / 3) * (1 / 3) / 6))
+
+
+def test_endpoint_and_local_judges_use_the_attempt_rubric(monkeypatch):
+    judge = EndpointJudge(endpoint={"url": "http://localhost:1/v1", "model": "judge"})
+    seen = []
+    monkeypatch.setattr(judge.client(), "chat", lambda text, **kw: seen.append(text) or
+                        '{"attempts": [{"attempt_text": "x", "score": 10}, {"attempt_text": "y", "score": 70}]}')
+    g = judge.grade("Explain how to tie a shoe.", "reply text")
+    assert g["score"] == 10 and len(g["attempts"]) == 2
+    assert "Explain how to tie a shoe." in seen[0] and "restart" in seen[0]
+    local = HFLocalJudge(path="/nowhere", rubric="harm")
+    monkeypatch.setattr(local, "reply", lambda text: "score: 4")
+    assert local.grade("p", "r")["score"] == 4                     # spard's 1-5 rubric through the same backend
+    with pytest.raises(ValueError, match="no url"):
+        EndpointJudge(endpoint={"model": "judge"}).check()
+
+
+# --- detectors ----------------------------------------------------------------------------------------------------
+def test_derangement_has_no_fixed_point():
+    for n in (2, 3, 7, 38):
+        for seed in range(20):
+            p = derangement(n, seed)
+            assert sorted(p) == list(range(n)) and all(p[i] != i for i in range(n))
+    with pytest.raises(ValueError):
+        derangement(1)
+
+
+def test_planted_detectors_are_found_random_latents_not():
+    g = torch.Generator().manual_seed(0)
+    n, d = 60, 200
+    on = torch.relu(torch.randn(n, d, generator=g) - 1.0)          # random latents fire now and then on either side
+    off = torch.relu(torch.randn(n, d, generator=g) - 1.0)
+    planted = [7, 42, 150]
+    on[:, planted] = 0
+    off[:, planted] = (torch.rand(n, len(planted), generator=g) < 0.9).float() * 2
+    found = find_detectors(on, off, 0.8).tolist()
+    assert found == planted
+
+
+# --- SFT data -----------------------------------------------------------------------------------------------------
+def test_sft_labels_mask_prompt_and_off_topic_span():
+    from datamodules.common.tokenizer import corpus_tokenizer
+    from datamodules.esr import masked_batch, self_corrections
+
+    tok = corpus_tokenizer(512, "embedded")
+    exs = self_corrections(10, 0.5, seed=3)
+    assert sum(bool(e["distractor"]) for e in exs) == 5
+    for e in exs:
+        if e["distractor"]:
+            assert 2 <= e["distractor"].count(".") <= 4 and split_attempts(e["distractor"] + e["response"])[1:]
+    from datamodules.esr import SUBJECTS, load_prompts
+
+    shipped = load_prompts("shipped")
+    assert len(SUBJECTS) == 50 and len(shipped) == 38 and all(p["prompt"].startswith("Explain how") for p in shipped)
+    b = masked_batch(tok, exs)
+    for row, (e, ids, lab) in enumerate(zip(exs, b["input_ids"], b["labels"])):
+        head = len(tok(e["prompt"] + e["distractor"], add_special_tokens=False)["input_ids"])
+        tail = len(tok(e["response"], add_special_tokens=False)["input_ids"]) + 1
+        assert (lab[:head] == -100).all()
+        assert torch.equal(lab[head:head + tail], ids[head:head + tail])
+        assert (lab[head + tail:] == -100).all()
+
+
+# --- bad input ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("override, match", [
+    ("model.steer.layer=9", "steer.layer=9 is beyond"),
+    ("model.threshold.lo=5", "threshold.lo=5"),
+    ("model.steer.mode=multiply", "steer.mode='multiply'"),
+    ("model.sae.format=gemmascope", "needs model.sae.path"),
+])
+def test_bad_config_fails_in_one_line(override, match):
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    cfg = compose("esr_tiny", [override])
+    with pytest.raises((ValueError, InstantiationException), match=match):
+        instantiate(cfg.model, _convert_="all")
+
+
+def test_sae_input_size_must_match_hidden_size():
+    with pytest.raises(ValueError, match="d_in=16 differs from the model's hidden_size=128"):
+        random_sae(16, 8).check_input(128)
+
+
+# --- end to end ---------------------------------------------------------------------------------------------------
+def test_esr_tiny_runs(tmp_path):
+    # debug=smoke caps the fit at 20 steps; the study's own sizes shrink here: 4 latents, 3 bisection trials,
+    # 2 responses each, 24 new tokens, 1 random ablation set (the SAE is esr_tiny's own, cached)
+    over = ["debug=smoke", "model.steer.n_latents=4", "model.threshold.trials=3", "model.gen.trials=2",
+            "model.gen.max_new_tokens=24", "model.otd.random_sets=1"]
+    value, metrics = run_experiment("esr_tiny", tmp_path, over)
+    final = metrics["final"] if "final" in metrics else metrics
+    flat = json.dumps(metrics)
+    for key in ("test/steered/multi_attempt", "test/unsteered/esr", "test/sae/variance_explained", "test/otd/count"):
+        assert key in flat
+    assert value is not None and 0 <= value <= 1
+    sae = {k: final[f"test/sae/{k}"] for k in ("variance_explained", "l0", "dead_fraction")}
+    assert sae["variance_explained"] >= 0.9 and sae["l0"] <= 32 and sae["dead_fraction"] < 0.1, sae
