@@ -84,7 +84,8 @@ def warmup_pairs(n, seed, split=None, val_fraction=0.0, test_fraction=0.0, eos_t
 class InstEmbDataModule(L.LightningDataModule):
     def __init__(self, tokenizer=None, source: str = "objects", n_train: int = 2000, n_val: int = 96,
                  n_test: int = 192, val_fraction: float = 0.2, test_fraction: float = 0.2, batch_size: int = 16,
-                 seed: int = 0, files: str | list | None = None, fields: dict | None = None, num_workers: int = 0):
+                 seed: int = 0, files: str | list | None = None, fields: dict | None = None, num_workers: int = 0,
+                 seq_len: int = 512):
         super().__init__()
         if source not in SOURCES:
             raise ValueError(f"data.source={source!r}: choose one of {', '.join(SOURCES)}")
@@ -93,7 +94,7 @@ class InstEmbDataModule(L.LightningDataModule):
         check_fractions(val_fraction, test_fraction)
         self.tokenizer, self.source, self.n_train, self.n_val, self.n_test = tokenizer, source, n_train, n_val, n_test
         self.val_fraction, self.test_fraction, self.batch_size, self.seed = val_fraction, test_fraction, batch_size, seed
-        self.files, self.num_workers = files, num_workers
+        self.files, self.num_workers, self.seq_len = files, num_workers, seq_len  # the module cuts prompts to it
         self.fields = {"instruction": "instruction", "input": "input", "output": "output", **(fields or {})}
         self.train = None
         self.eval_items: dict[str, list[dict]] = {}

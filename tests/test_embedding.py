@@ -58,7 +58,6 @@ def test_v_measure_and_spearman_against_references():
 
 
 def test_minilm_matches_sentence_transformers():
-    st = pytest.importorskip("sentence_transformers")  # in the venv; the by-hand check below runs regardless
     enc = E.minilm_encoder(batch_size=2)
     texts = ["refuse the request", "what is 2 + 3 and why", "a red cube"]
     got = enc.encode(texts)
@@ -66,9 +65,13 @@ def test_minilm_matches_sentence_transformers():
     with torch.no_grad():
         h = enc.model(**t).last_hidden_state.mean(1)
     assert torch.allclose(got[:1], torch.nn.functional.normalize(h, dim=-1), atol=1e-5)
+    assert isinstance(enc, E.TextEncoder) and got.shape == (3, 384)
+    try:  # the reference implementation, when installed (it is in the venv; not a [test] dependency)
+        import sentence_transformers as st
+    except ModuleNotFoundError:
+        return
     ref = st.SentenceTransformer(E.resolve_encoder("minilm"), device="cpu").encode(texts, convert_to_tensor=True)
-    assert got.shape == (3, 384) and torch.allclose(got, ref.cpu(), atol=1e-5)
-    assert isinstance(enc, E.TextEncoder)
+    assert torch.allclose(got, ref.cpu(), atol=1e-5)
 
 
 def test_decode_then_encode_by_hand(tiny_tokenizer):
