@@ -346,7 +346,8 @@ class InstEmbModule(CausalLMModule):
 
         m = instruction_metrics(self, items, ATTRIBUTES, int(self.eval_cfg["k"]), int(self.eval_cfg["seed"]))
         for k, v in m.items():
-            self.log(f"{prefix}/{k}", v, prog_bar=k in (f"ndcg@{self.eval_cfg['k']}", "v_measure"), sync_dist=False)
+            self.log(f"{prefix}/{k}", v, prog_bar=k in (f"ndcg@{self.eval_cfg['k']}", "v_measure"), sync_dist=False,
+                     batch_size=1)
         self.results[prefix] = m
 
     def on_validation_epoch_start(self):
