@@ -56,6 +56,13 @@ register(TinyModel(
              "conf/model/lm.yaml", "conf/trainer/cpu.yaml", "conf/callbacks/default.yaml"),
     code=("run.py", "runner.py"),  # plus every `_target_` in the configs (lm.py, text.py, tokenizer, export, ...)
 ))
+register(TinyModel(
+    "tiny-mdlm", "mdlm_tiny",
+    configs=("conf/run.yaml", "conf/experiment/mdlm_tiny.yaml", "conf/backbone/tiny_mdlm.yaml",
+             "conf/data/rule_induction.yaml", "conf/model/mdlm.yaml", "conf/trainer/cpu.yaml",
+             "conf/callbacks/default.yaml"),
+    code=("run.py", "runner.py"),
+))
 
 register(TinyModel(
     "tiny-moe", "growth_source_tiny",  # the growth paper's source MoE (tiny Mixtral), grown by growth_tiny

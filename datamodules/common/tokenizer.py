@@ -63,7 +63,7 @@ def load_tokenizer(pretrained: str | None = None, vocab_size: int = 2048, corpus
 
 
 # --- a closed character-level tokenizer (error_law: one processed symbol = one token) -------------------------
-UNK = "<|unk|>"
+CHAR_UNK = "<|unk|>"
 CHAR_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz +-*=:,|[]<>#\n"
 
 
@@ -75,11 +75,38 @@ def char_tokenizer(alphabet: str = CHAR_ALPHABET, vocab_size: int | None = None)
     from transformers import PreTrainedTokenizerFast
 
     chars = list(dict.fromkeys(alphabet))
-    vocab = {tok: i for i, tok in enumerate([EOS, PAD, UNK, *chars])}
+    vocab = {tok: i for i, tok in enumerate([EOS, PAD, CHAR_UNK, *chars])}
     if vocab_size is not None and vocab_size < len(vocab):
         raise ValueError(f"char_tokenizer: vocab_size={vocab_size} < {len(vocab)} symbols (3 special + the alphabet); "
                          f"set data.tokenizer.vocab_size >= {len(vocab)}")
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=CHAR_UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # every character its own piece
     tok.decoder = decoders.Fuse()  # and back without separators
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, pad_token=PAD, unk_token=UNK)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, pad_token=PAD, unk_token=CHAR_UNK)
+
+
+MASK = "[MASK]"
+WORD_UNK = "[UNK]"
+# Words, numbers, "(A)"-style option labels, "Answer:"-style labels, newlines and single punctuation marks.
+WORD_PATTERN = r"\n|\([A-Z]\)|[A-Za-z]+:?|\d+|[^\sA-Za-z\d]"
+
+
+def word_tokenizer(words, out_dir: Path | None = None):
+    """A closed word-level tokenizer with a ``[MASK]`` token: ids 0 EOS, 1 PAD, 2 [MASK], 3 [UNK], then ``words``
+    in order (duplicates dropped). Text splits on spaces into words, numbers, option labels like ``(A)``,
+    ``Answer:``-style labels, newlines and punctuation (``WORD_PATTERN``); a piece outside the vocabulary is [UNK]."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate((EOS, PAD, MASK, WORD_UNK))}
+    for w in words:
+        vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=WORD_UNK))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r"[ \t]+"), "removed"),
+                                                 pre_tokenizers.Split(Regex(WORD_PATTERN), "isolated")])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, pad_token=PAD,
+                                   mask_token=MASK, unk_token=WORD_UNK)
+    if out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        fast.save_pretrained(str(out_dir))
+    return fast

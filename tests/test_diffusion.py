@@ -1,0 +1,271 @@
+"""common/diffusion.py: bidirectional attention, LLaDA's loss against a hand computation, the sampler's schedule and
+order on hand-built logits, Gumbel sampling against softmax, and the LLaDA / Dream key maps on fake checkpoints."""
+import json
+import math
+
+import pytest
+import torch
+
+from lightning_modules.common.diffusion import (MaskedDiffusionLM, add_gumbel_noise, build_diffusion_backbone,
+                                                forward_process, llada_key_map, make_bidirectional,
+                                                num_transfer_tokens, weighted_masked_ce)
+
+MASK = 3
+
+
+def tiny_llama(layers=2, vocab=40):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_a_later_token_changes_position_zero_only_when_bidirectional():
+    x = torch.randint(4, 40, (2, 12))
+    y = x.clone()
+    y[:, -1] = (y[:, -1] + 1 - 4) % 36 + 4
+    causal = tiny_llama()
+    with torch.no_grad():
+        assert torch.equal(causal(x).logits[:, 0], causal(y).logits[:, 0])  # the control: causal ignores the future
+        mdlm = MaskedDiffusionLM(causal, MASK)
+        assert (mdlm.logits(x)[:, 0] - mdlm.logits(y)[:, 0]).abs().min() > 1e-6
+
+
+def test_bidirectional_core_equals_unmasked_attention():
+    """The patched model equals the eager model run with an all-zero additive mask (no causal mask at all)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(cfg).eval()
+    x = torch.randint(4, 40, (2, 9))
+    # reference: every layer's attention by hand, softmax(q k^T * scale) v with no mask, through the layer's own forward
+    from lightning_modules.common import attention as A
+
+    def full_core(attn, h, q, k, v, mask):
+        k, v = A.repeat_kv(k, attn.num_key_value_groups), A.repeat_kv(v, attn.num_key_value_groups)
+        w = torch.softmax(q @ k.transpose(-1, -2) * attn.scaling, dim=-1)
+        return (w @ v).transpose(1, 2)
+
+    with torch.no_grad():
+        A.patch_attention(model, full_core)
+        ref = model(x).logits
+        A.unpatch_attention(model)
+        got = make_bidirectional(model)(x).logits
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_llada_loss_matches_a_hand_computation():
+    torch.manual_seed(1)
+    b, n, v = 2, 5, 7
+    logits = torch.randn(b, n, v)
+    targets = torch.randint(0, v, (b, n))
+    masked = torch.tensor([[1, 0, 1, 1, 0], [0, 0, 0, 1, 0]], dtype=torch.bool)
+    t = torch.tensor([0.3, 0.9])
+    p = ((1 - 1e-3) * t + 1e-3)[:, None].expand(b, n)
+    hand = 0.0
+    for i in range(b):
+        for j in range(n):
+            if masked[i, j]:
+                z = logits[i, j]
+                hand += (math.log(sum(math.exp(float(u)) for u in z)) - float(z[targets[i, j]])) / float(p[i, j])
+    assert weighted_masked_ce(logits, targets, masked, p).item() == pytest.approx(hand / (b * n), rel=1e-5)
+    # SFT: each sequence divided by its answer length, then the mean over sequences
+    prompt = torch.tensor([[1, 1, 0, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    hand_sft = 0.0
+    for i in range(b):
+        s = sum((math.log(sum(math.exp(float(u)) for u in logits[i, j])) - float(logits[i, j, targets[i, j]]))
+                / float(p[i, j]) for j in range(n) if masked[i, j])
+        hand_sft += s / int((~prompt[i]).sum())
+    got = weighted_masked_ce(logits, targets, masked, p, prompt).item()
+    assert got == pytest.approx(hand_sft / b, rel=1e-5)
+
+
+def test_forward_process_masks_at_rate_p_and_never_the_prompt():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, 40, (4, 4000))
+    t = torch.tensor([0.0, 0.25, 0.5, 1.0])
+    noisy, masked, p = forward_process(ids, MASK, t=t, generator=g)
+    assert torch.equal(noisy == MASK, masked)
+    torch.testing.assert_close(p[:, 0], (1 - 1e-3) * t + 1e-3)
+    rates = masked.float().mean(1)
+    assert torch.allclose(rates, p[:, 0], atol=0.03)
+    prompt = torch.zeros_like(ids, dtype=torch.bool)
+    prompt[:, :100] = True
+    _, masked, _ = forward_process(ids, MASK, t=torch.ones(4), prompt_mask=prompt, generator=g)
+    assert not masked[:, :100].any() and masked[:, 100:].float().mean() > 0.99
+
+
+def test_module_loss_is_the_forward_process_then_the_weighted_ce():
+    mdlm = MaskedDiffusionLM(tiny_llama(), MASK)
+    ids = torch.randint(4, 40, (3, 10))
+    loss = mdlm.loss(ids, generator=torch.Generator().manual_seed(5))
+    noisy, masked, p = forward_process(ids, MASK, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(loss, weighted_masked_ce(mdlm.logits(noisy), ids, masked, p))
+
+
+class HandLogits(MaskedDiffusionLM):
+    """A 'model' with fixed logits: position i prefers token ``tokens[i]`` with confidence rising in ``conf[i]``."""
+
+    def __init__(self, tokens, conf, vocab=10, shift=0):
+        torch.nn.Module.__init__(self)
+        self.mask_token_id, self.logit_shift = MASK, shift
+        table = torch.full((len(tokens), vocab), 0.0)
+        table[torch.arange(len(tokens)), torch.tensor(tokens)] = torch.tensor(conf)
+        self.table = table
+
+    def logits(self, input_ids=None, inputs_embeds=None):
+        return self.table[: input_ids.shape[1]].expand(input_ids.shape[0], -1, -1)
+
+
+def test_sampler_unmasks_one_token_per_step_most_confident_first():
+    prompt = torch.tensor([[5, 6]])
+    tokens = [0, 0, 7, 8, 9, 4, 5, 6]          # positions 2..7 are generated
+    conf = [0, 0, 1.0, 6.0, 3.0, 5.0, 2.0, 4.0]
+    order = []
+
+    def callback(step, x, transferred):
+        assert int(transferred.sum()) == 1
+        order.append(int(transferred[0].nonzero()))
+
+    out = HandLogits(tokens, conf).sample(prompt, gen_length=6, steps=6, block_length=6, callback=callback)
+    assert order == [3, 5, 7, 4, 6, 2]  # by confidence, highest first
+    assert out[0].tolist() == [5, 6, 7, 8, 9, 4, 5, 6]
+
+
+def test_sampler_fills_every_mask_on_schedule_and_respects_blocks():
+    assert num_transfer_tokens(torch.tensor([10, 3]), 4).tolist() == [[3, 3, 2, 2], [1, 1, 1, 0]]
+    mdlm = MaskedDiffusionLM(tiny_llama(), MASK)
+    prompt = torch.randint(4, 40, (2, 5))
+    counts, seen = [], []
+
+    def callback(step, x, transferred):
+        counts.append(transferred.sum(1).tolist())
+        seen.append(transferred[:, 5:].nonzero()[:, 1].tolist())
+
+    for remasking in ("low_confidence", "random"):
+        counts.clear()
+        seen.clear()
+        out = mdlm.sample(prompt, gen_length=12, steps=8, block_length=6, remasking=remasking, temperature=0.5,
+                          callback=callback, generator=torch.Generator().manual_seed(0))
+        assert not (out == MASK).any() and torch.equal(out[:, :5], prompt)
+        assert counts == [[2, 2], [2, 2], [1, 1], [1, 1]] * 2  # 6 masks per block over 4 steps: 2, 2, 1, 1
+        assert all(p < 6 for s in seen[:4] for p in s) and all(p >= 6 for s in seen[4:] for p in s)
+    with pytest.raises(ValueError, match="multiple of block_length"):
+        mdlm.sample(prompt, gen_length=10, steps=4, block_length=4)
+    with pytest.raises(ValueError, match="number of blocks"):
+        mdlm.sample(prompt, gen_length=12, steps=5, block_length=6)
+
+
+def test_logit_shift_moves_predictions_one_position_right():
+    model = tiny_llama()
+    x = torch.randint(4, 40, (1, 8))
+    with torch.no_grad():
+        plain = MaskedDiffusionLM(model, MASK, 0).logits(x)
+        dream = MaskedDiffusionLM(model, MASK, 1).logits(x)
+    torch.testing.assert_close(dream[:, 1:], plain[:, :-1])
+    torch.testing.assert_close(dream[:, 0], plain[:, 0])
+
+
+def test_gumbel_sampling_follows_softmax_at_temperature():
+    logits = torch.tensor([1.0, 0.0, -1.0]).expand(40000, 3)
+    g = torch.Generator().manual_seed(0)
+    for temp in (0.5, 1.0):
+        draws = add_gumbel_noise(logits, temp, g).argmax(-1)
+        freq = torch.bincount(draws, minlength=3).double() / len(draws)
+        torch.testing.assert_close(freq, torch.softmax(logits[0].double() / temp, 0), atol=0.01, rtol=0)
+    assert torch.equal(add_gumbel_noise(logits, 0.0), logits)
+
+
+def _save_sharded(tensors: dict, out, n_shards=2):
+    from safetensors.torch import save_file
+
+    keys = sorted(tensors)
+    weight_map = {}
+    for s in range(n_shards):
+        name = f"model-{s + 1:05d}-of-{n_shards:05d}.safetensors"
+        part = {k: tensors[k].contiguous() for k in keys[s::n_shards]}
+        save_file(part, str(out / name))
+        weight_map.update({k: name for k in part})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+SPEC = {"family": "llama", "dtype": "float32", "weight_map": "llada", "diffusion": {"mask_token_id": MASK},
+        "config": {"vocab_size": 40, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+                   "num_attention_heads": 4, "num_key_value_heads": 4, "tie_word_embeddings": False}}
+
+
+def llada_checkpoint(tmp_path, drop=None, reshape=None):
+    """Random tensors under LLaDA's own names and shapes (OLMo-style blocks: ff_proj gate, up_proj, ff_out down)."""
+    torch.manual_seed(3)
+    d, f, v = 32, 48, 40
+    t = {"model.transformer.wte.weight": torch.randn(v, d), "model.transformer.ln_f.weight": torch.rand(d),
+         "model.transformer.ff_out.weight": torch.randn(v, d)}
+    for i in range(2):
+        pre = f"model.transformer.blocks.{i}."
+        t.update({pre + "q_proj.weight": torch.randn(d, d), pre + "k_proj.weight": torch.randn(d, d),
+                  pre + "v_proj.weight": torch.randn(d, d), pre + "attn_out.weight": torch.randn(d, d),
+                  pre + "ff_proj.weight": torch.randn(f, d), pre + "up_proj.weight": torch.randn(f, d),
+                  pre + "ff_out.weight": torch.randn(d, f), pre + "attn_norm.weight": torch.rand(d),
+                  pre + "ff_norm.weight": torch.rand(d)})
+    if drop:
+        t.pop(drop)
+    if reshape:
+        t[reshape] = t[reshape][:-1]
+    _save_sharded(t, tmp_path)
+    return t
+
+
+def test_llada_key_map_loads_a_fake_checkpoint_every_key_once(tmp_path):
+    t = llada_checkpoint(tmp_path)
+    assert set(llada_key_map(2)) == set(t)  # the map names exactly the checkpoint's keys
+    mdlm = build_diffusion_backbone({**SPEC, "pretrained": str(tmp_path)})
+    own = mdlm.model.state_dict()
+    for src, dst in llada_key_map(2).items():
+        assert torch.equal(own[dst], t[src]), dst
+    # LLaDA's SwiGLU by hand: ff_out(silu(ff_proj x) * up_proj x) is the loaded LLaMA MLP
+    x = torch.randn(3, 32)
+    pre = "model.transformer.blocks.1."
+    hand = (torch.nn.functional.silu(x @ t[pre + "ff_proj.weight"].T) * (x @ t[pre + "up_proj.weight"].T)) \
+        @ t[pre + "ff_out.weight"].T
+    torch.testing.assert_close(mdlm.model.model.layers[1].mlp(x), hand)
+    assert mdlm.mask_token_id == MASK and mdlm.logit_shift == 0
+
+
+def test_llada_key_map_refuses_missing_or_misshapen_keys(tmp_path):
+    (tmp_path / "a").mkdir()
+    llada_checkpoint(tmp_path / "a", drop="model.transformer.blocks.1.up_proj.weight")
+    with pytest.raises(ValueError, match="missing from the checkpoint"):
+        build_diffusion_backbone({**SPEC, "pretrained": str(tmp_path / "a")})
+    (tmp_path / "b").mkdir()
+    llada_checkpoint(tmp_path / "b", reshape="model.transformer.blocks.0.ff_proj.weight")
+    with pytest.raises(ValueError, match="shape"):
+        build_diffusion_backbone({**SPEC, "pretrained": str(tmp_path / "b")})
+
+
+def test_dream_key_map_is_qwen2s_names_checked(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = {"family": "qwen2", "dtype": "float32", "weight_map": "dream",
+            "diffusion": {"mask_token_id": MASK, "logit_shift": 1},
+            "config": {"vocab_size": 40, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+                       "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}}
+    torch.manual_seed(4)
+    src = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen2", **spec["config"]))
+    _save_sharded({k: v.clone() for k, v in src.state_dict().items()}, tmp_path)
+    mdlm = build_diffusion_backbone({**spec, "pretrained": str(tmp_path)})
+    assert mdlm.logit_shift == 1
+    for k, v in src.state_dict().items():
+        assert torch.equal(mdlm.model.state_dict()[k], v), k
+
+
+def test_a_causal_backbone_or_no_mask_id_is_refused():
+    with pytest.raises(ValueError, match="causal backbone"):
+        build_diffusion_backbone({"family": "llama", "config": SPEC["config"]})
+    with pytest.raises(ValueError, match="mask_token_id"):
+        MaskedDiffusionLM(tiny_llama(), None)
+    with pytest.raises(ValueError, match="weight_map"):
+        build_diffusion_backbone({**SPEC, "weight_map": "gpt9"})

@@ -1,0 +1,228 @@
+"""mdlm_masks: the mask-agnostic loss against its formula, the two branches' construction, the curriculum, the
+rule-induction suite (planted answers, content-disjoint splits, block placement), bad input, the cached tiny-mdlm's
+accuracy and the tiny experiment end to end."""
+import math
+import random
+
+import pytest
+import torch
+
+from datamodules.rule_induction import (CATEGORIES, TASKS, RuleInductionDataModule, rule_induction_sample,
+                                        suite_tokenizer)
+from datamodules.common.splits import split_of
+from lightning_modules.mdlm_masks.loss import build_ma_batch, mask_agnostic_loss, mask_budget
+
+MASK, EOS = 2, 0
+
+
+def random_branches(b=3, n=9, v=11, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits1, logits2 = torch.randn(b, n, v, generator=g) * 3, torch.randn(b, n, v, generator=g) * 3
+    targets = torch.randint(0, v, (b, n), generator=g)
+    masked = torch.rand(b, n, generator=g) < 0.5
+    masked[:, 0] = True
+    p = torch.rand(b, generator=g) * 0.6 + 0.2
+    return logits1, logits2, targets, masked, p
+
+
+def test_identical_branches_have_zero_tv_and_tv_is_at_most_2p():
+    l1, l2, t, m, p = random_branches()
+    assert mask_agnostic_loss(l1, l1.clone(), t, m, p)["tv"].item() == pytest.approx(0.0, abs=1e-7)
+    for seed in range(5):
+        l1, l2, t, m, p = random_branches(seed=seed)
+        l2 = l2 * 50  # nearly one-hot, far from branch 1: the L1 distance approaches its bound 2
+        per_pair = [mask_agnostic_loss(l1[i:i + 1], l2[i:i + 1], t[i:i + 1], m[i:i + 1], p[i:i + 1])["tv"].item()
+                    for i in range(3)]
+        assert all(tv <= 2 * float(pi) + 1e-6 for tv, pi in zip(per_pair, p))
+        assert max(tv / (2 * float(pi)) for tv, pi in zip(per_pair, p)) > 0.5  # the bound is not vacuous
+
+
+def test_loss_terms_match_the_formula_by_hand():
+    l1, l2, t, m, p = random_branches(b=2, n=6, v=5, seed=3)
+    alpha, beta = 0.1, 10.0
+    out = mask_agnostic_loss(l1, l2, t, m, p, alpha, beta)
+    ce_hand, tv_hand = [], []
+    for i in range(2):
+        js = [j for j in range(6) if m[i, j]]
+        pi, nm = float(p[i]), len(js)
+        lp1, lp2 = torch.log_softmax(l1[i], -1), torch.log_softmax(l2[i], -1)
+        ce_hand.append(-sum(float(lp1[j, t[i, j]] + lp2[j, t[i, j]]) for j in js) / (2 * pi * nm))
+        tv_hand.append(pi / nm * sum(float((lp1[j].exp() - lp2[j].exp()).abs().sum()) for j in js))
+    assert out["ce"].item() == pytest.approx(sum(ce_hand) / 2, rel=1e-5)
+    assert out["tv"].item() == pytest.approx(sum(tv_hand) / 2, rel=1e-5)
+    assert out["loss"].item() == pytest.approx(alpha * out["ce"].item() + beta * out["tv"].item(), rel=1e-6)
+
+
+def test_with_equal_lengths_ce_is_the_inverse_p_weighted_answer_loss():
+    from lightning_modules.common.diffusion import weighted_masked_ce
+
+    q, a = [5, 6, 7, 8], [9, 10, 11, 12, 13]
+    b = build_ma_batch([(q, a)], MASK, EOS, max_masks=6, context=20, generator=torch.Generator().manual_seed(1),
+                       p=torch.tensor([0.5]), lengths=[(4, 4)])
+    assert torch.equal(b.x1, b.x2)
+    logits = torch.randn(1, b.x1.shape[1], 16)
+    ce = mask_agnostic_loss(logits, logits, b.targets, b.masked, b.p, alpha=1.0, beta=0.0)["ce"]
+    # the LLaDA-weighted CE on the masked answer tokens, normalised by their count (SFT's form with n_m for |A|)
+    pm = torch.full(b.x1.shape, 0.5)
+    prompt = ~b.masked  # only the masked answer tokens count as "answer" for the normalisation
+    torch.testing.assert_close(ce, weighted_masked_ce(logits, b.targets, b.masked, pm, prompt))
+    # and the gradient flows through both branches unless tv_stopgrad=second
+    x1, x2 = logits.clone().requires_grad_(), (logits + 1).requires_grad_()
+    mask_agnostic_loss(x1, x2, b.targets, b.masked, b.p, 0.0, 1.0, "second")["loss"].backward()
+    assert x2.grad is None or not x2.grad.abs().any()
+    x2 = (logits + 1).requires_grad_()
+    mask_agnostic_loss(x1, x2, b.targets, b.masked, b.p, 0.0, 1.0, "none")["loss"].backward()
+    assert x2.grad.abs().sum() > 0
+
+
+def test_branches_put_masks_only_after_the_answer_pad_with_eos_and_fit_the_context():
+    g = torch.Generator().manual_seed(0)
+    rng = random.Random(0)
+    pairs = [([rng.randint(5, 50) for _ in range(rng.randint(1, 12))], [rng.randint(5, 50) for _ in range(rng.randint(1, 6))])
+             for _ in range(64)]
+    n_ctx, cap = 30, 25
+    b = build_ma_batch(pairs, MASK, EOS, max_masks=cap, context=n_ctx, generator=g)
+    seen_l = []
+    for i, (q, a) in enumerate(pairs):
+        for x, l in ((b.x1[i], b.l1[i]), (b.x2[i], b.l2[i])):
+            x = x.tolist()
+            assert 0 <= l <= min(n_ctx - len(q) - len(a), cap)
+            assert x[:len(q)] == q                              # the question is never masked
+            ans = x[len(q):len(q) + len(a)]
+            assert all(t == MASK or t == s for t, s in zip(ans, a))
+            assert ans == [MASK if m else s for s, m in zip(a, b.masked[i, len(q):len(q) + len(a)].tolist())]
+            assert x[len(q) + len(a):len(q) + len(a) + l] == [MASK] * l      # masks right after the answer
+            assert set(x[len(q) + len(a) + l:]) <= {EOS}                      # then EOS padding only
+            seen_l.append(l)
+        assert b.masked[i].any() and not b.masked[i, :len(q)].any()
+        assert 0.2 <= float(b.p[i]) <= 0.8
+    assert len(set(seen_l)) > 5  # the lengths are drawn, not fixed
+    # the answer masking rate follows p
+    long = [([5], list(range(5, 405)))]
+    rates = [build_ma_batch(long, MASK, EOS, max_masks=0, context=500, p=torch.tensor([p]), generator=g).masked.float().mean()
+             * 401 / 400 for p in (0.2, 0.8)]
+    assert abs(rates[0] - 0.2) < 0.06 and abs(rates[1] - 0.8) < 0.06
+
+
+def test_curriculum_bound_at_0_2500_5000():
+    assert [mask_budget(s) for s in (0, 2500, 5000, 9000)] == [0, 300, 600, 600]
+    assert mask_budget(50, max_masks=64, curriculum_steps=100, min_masks=8) == 36
+
+
+def test_bad_input_names_the_fix():
+    from lightning_modules.mdlm_masks.finetune import MaskAgnosticModule
+
+    spec = {"family": "llama", "config": {}, "diffusion": {"mask_token_id": 2}}
+    with pytest.raises(ValueError, match="p_low"):
+        MaskAgnosticModule(spec, p_low=0.8, p_high=0.2)
+    with pytest.raises(ValueError, match="max_masks"):
+        MaskAgnosticModule(spec, max_masks=1024, context=1024)
+    with pytest.raises(ValueError, match="p_low"):
+        build_ma_batch([([5], [6])], MASK, EOS, p_low=0.5, p_high=0.5)
+    with pytest.raises(ValueError, match="max_masks"):
+        build_ma_batch([([5], [6])], MASK, EOS, max_masks=40, context=32)
+    with pytest.raises(ValueError, match="mask token"):
+        from datamodules.common.tokenizer import corpus_tokenizer
+
+        RuleInductionDataModule(corpus_tokenizer(2048))
+
+
+def test_a_causal_backbone_cannot_be_fine_tuned():
+    from lightning_modules.mdlm_masks.finetune import MaskAgnosticModule
+    from lightning_modules.mdlm_masks.module import MDLMModule
+
+    causal = {"family": "llama", "config": {}}
+    for cls in (MDLMModule, MaskAgnosticModule):
+        with pytest.raises(ValueError, match="causal backbone"):
+            cls(causal).setup("fit")
+    MDLMModule(causal).setup("test")  # a causal control is scored, never trained
+
+
+def test_suite_has_16_tasks_with_planted_answers_and_block_placement():
+    assert len(TASKS) == 16
+    rng = random.Random(0)
+    for task in TASKS:
+        s = rule_induction_sample(rng, task, 3, 4, distance=2, answer="word")
+        category, distractor = task.split("/")
+        q = s["query_example"]
+        assert s["answer"] in CATEGORIES[category] and s["answer"] in q["options"]
+        assert sum(w in CATEGORIES[category] for w in q["options"]) == 1  # one option of the category: the answer
+        lines = s["context"].strip().split("\n")
+        examples = [lines[i] for i in range(0, len(lines), 2)]
+        answers = [lines[i][len("Answer:["):-2] for i in range(1, len(lines), 2)]
+        kinds = ["word" if a in CATEGORIES[category] else "num" for a in answers]
+        assert kinds == ["num", "num", "word", "word", "word", "num", "num"]  # 2 distractors between block and query
+        for ex, ans in zip(examples, answers):
+            if ans.isdigit():
+                nums = [int(w.rstrip(",")) for w in ex.split()[2::2]]
+                assert int(ans) == (min if distractor == "smallest" else max)(nums)
+    s = rule_induction_sample(random.Random(1), TASKS[0], 2, 2, answer="letter")
+    assert s["answer"] in "ABC" and s["query"].endswith("Answer:[")
+
+
+def test_splits_are_disjoint_by_example_content():
+    rng = random.Random(0)
+    keys = {}
+    for split in ("train", "test"):
+        samples = [rule_induction_sample(rng, rng.choice(TASKS), 3, 3, answer="word", split=split) for _ in range(40)]
+        keys[split] = {k for s in samples for k in s["keys"]}
+        assert all(split_of(k, 0.1, 0.1) == split for k in keys[split])
+    assert len(keys["test"]) > 200 and not keys["train"] & keys["test"]
+
+
+def test_tokenizer_keeps_the_format_one_token_per_piece():
+    tok = suite_tokenizer()
+    ids = tok("Options: (A) france, (B) dog, (C) red\nAnswer:[dog].", add_special_tokens=False)["input_ids"]
+    assert tok.unk_token_id not in ids and len(ids) == 15
+    assert tok.mask_token_id == 2 and tok.eos_token_id == 0 and len(tok) == 1122  # conf/backbone/tiny_mdlm.yaml
+
+
+def test_tiny_mdlm_solves_the_suite_at_k0_and_masks_take_gradient(tiny_models):
+    """The studies need a working model: tiny-mdlm's single-step accuracy at k = 0 beats chance (33%) by far."""
+    from omegaconf import OmegaConf
+
+    from lightning_modules.mdlm_masks.module import MDLMModule
+    from tests.helpers import compose
+
+    cfg = compose("mdlm_masks_tiny")
+    tok = suite_tokenizer()
+    dm = RuleInductionDataModule(tok, n_relevant=5, n_distractor=10, answer="word", words_per_category=4)
+    module = MDLMModule(OmegaConf.to_container(cfg.backbone, resolve=True), ks=[0, 32])
+    module._tokenizer = lambda: tok
+    module.configure_model()
+    module.model.eval()
+    queries = dm.queries("test", 3, None)
+    correct = 0
+    for q in queries:
+        ids, pos, _ = module.study_input(q["prompt_ids"], 0)
+        correct += module.answer_of(ids, pos) == q["answer_id"]
+    assert correct / len(queries) >= 0.6, f"tiny-mdlm: {correct}/{len(queries)} at k = 0"
+    ids, pos, fillers = module.study_input(queries[0]["prompt_ids"], 32)
+    share = module.mask_gradient_share(ids, pos, fillers)
+    assert 0.0 < share < 1.0 and module.mask_gradient_share(*module.study_input(queries[0]["prompt_ids"], 0)) == 0.0
+
+
+def test_mdlm_masks_tiny_smoke(tmp_path):
+    """The fine-tune and the studies end to end; the overrides shrink what debug=smoke does not: queries per task,
+    the k grid, the curriculum's mask budget."""
+    from tests.helpers import run_experiment
+
+    value, metrics = run_experiment("mdlm_masks_tiny", tmp_path, ["debug=smoke", "data.n_test=1", "data.n_val=1",
+                                                                   "model.ks=[0,8]", "model.max_masks=16",
+                                                                   "model.grad_share=true"])
+    final = metrics["final"] if "final" in metrics else metrics
+    flat = json_flat(final)
+    assert any(k.endswith("test/acc/k8") for k in flat) and any("mask_grad_share/k8" in k for k in flat)
+    assert metrics["results"]["accuracy_per_k"].keys() == {"0", "8"}
+    assert all(0 <= v <= 100 for v in metrics["results"]["accuracy_per_k"].values())
+    assert math.isfinite(value)
+
+
+def json_flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(json_flat(v, f"{prefix}{k}/"))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
