@@ -259,3 +259,11 @@ def test_dllmquant_tiny_smoke(tmp_path):
     assert set(q["clip_ratios"]) == {"0", "1", "2", "3"} or set(q["clip_ratios"]) == {0, 1, 2, 3}  # one α per layer
     assert q["packed_bytes"] == pytest.approx(q["bits"] * q["n_weights"] / 8)
     assert 4 < q["bits"] < 4 + 16 / 128 + 1e-9  # 16 levels + a 16-bit row scale over 128 or 384 inputs
+
+
+def test_final_answer_reads_the_gsm8k_mark():
+    from lightning_modules.dllmquant.module import final_answer
+
+    assert final_answer("12 + 34 = 46 \n # # # # 46") == "46"
+    assert final_answer("so 1,200 in all\n#### 1,200") == "1200"
+    assert final_answer("no mark 7") is None
