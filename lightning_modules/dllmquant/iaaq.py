@@ -48,6 +48,7 @@ def importance(a: torch.Tensor) -> torch.Tensor:
     return a.double().mean(1).sum(1)
 
 
+@torch.no_grad()
 def clip_errors(v: torch.Tensor, grid: torch.Tensor, bits: int, objective: str = "v",
                 weight: torch.Tensor | None = None, a: torch.Tensor | None = None) -> torch.Tensor:
     """The objective at every α of ``grid`` for one batch: V (B, H, N, D); ``weight`` (B, N) for ``v`` (None =
