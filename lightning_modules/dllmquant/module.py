@@ -87,6 +87,11 @@ class DLLMQuantModule(QuantizeLMModule):
     def build_model(self):
         return build_diffusion_backbone(self.backbone_spec)
 
+    def parameter_counts(self) -> dict[str, int]:
+        from lightning_modules.common.backbone import count_parameters
+
+        return {} if self.model is None else {"params/total": count_parameters(self.model.model)}
+
     # --- the task ------------------------------------------------------------------------------------------------
     def _tokenizer(self):
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
