@@ -247,7 +247,8 @@ def test_dllmquant_tiny_smoke(tmp_path):
     # debug=smoke does not shrink these: calibration states, trajectory prompts, test problems, denoising steps,
     # and the clip and AWQ grids
     value, metrics = run_experiment("dllmquant_tiny", tmp_path, ["debug=smoke", "model.n_calib=8", "model.n_prompts=2",
-                                                                "model.n_test=2", "model.sampler.steps=8",
+                                                                "model.n_test=2", "model.n_traj=1",
+                                                                "model.sampler.steps=8",
                                                                 "model.iaaq.grid=8"])
     assert metrics["status"] == "ok"
     final, q = metrics["final"], metrics["results"]["quantization"]
@@ -256,7 +257,7 @@ def test_dllmquant_tiny_smoke(tmp_path):
     for r in ("0.5", "0.1"):
         assert final[f"test/kl_bits/r{r}"] >= 0
     assert (q["calib"], q["cgq"], q["iaaq"], q["a_bits"], q["v_bits"]) == ("tmas", True, True, 4, 4)
-    assert set(q["clip_ratios"]) == {"0", "1", "2", "3"} or set(q["clip_ratios"]) == {0, 1, 2, 3}  # one α per layer
+    assert set(q["clip_ratios"]) == {"0", "1", "2", "3"}  # one α per layer (json keys)
     assert q["packed_bytes"] == pytest.approx(q["bits"] * q["n_weights"] / 8)
     assert 4 < q["bits"] < 4 + 16 / 128 + 1e-9  # 16 levels + a 16-bit row scale over 128 or 384 inputs
 

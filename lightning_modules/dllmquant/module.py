@@ -49,7 +49,8 @@ class DLLMQuantModule(QuantizeLMModule):
         cgq: {enabled, w_mask: 1.0, w_unmask: 0.7, score_fn: none | confidence}.
         iaaq: {enabled, grid: 40, min_ratio: 0.05, objective: v | output}.
         sampler: LLaDA's {gen_length, steps, block_length} for trajectories and answers.
-        n_test: test problems; kl_ratios: mask ratios of the KL evaluation; seed: problems and masks.
+        n_test: test problems; n_traj: the first n_traj of them give the per-step KL (null = all);
+            kl_ratios: mask ratios of the KL evaluation; seed: problems and masks.
         task_files / question_field / answer_field: local GSM8K-style records (jsonl/parquet; the answer ends in
             "#### <number>") instead of the generated arithmetic; calibration and test draw disjoint records.
     """
@@ -60,7 +61,7 @@ class DLLMQuantModule(QuantizeLMModule):
                  cgq: Mapping[str, Any] | None = None, iaaq: Mapping[str, Any] | None = None,
                  sampler: Mapping[str, Any] | None = None, n_test: int = 16,
                  kl_ratios: Sequence[float] = (0.9, 0.5, 0.1), seed: int = 0, stats_device: str | None = None,
-                 task_files: str | None = None, question_field: str = "question", answer_field: str = "answer",
+                 n_traj: int | None = None, task_files: str | None = None, question_field: str = "question", answer_field: str = "answer",
                  **kw):
         if not ((backbone.get("diffusion") or {}).get("mask_token_id") is not None):
             raise ValueError("dllmquant needs a masked-diffusion backbone: backbone.pretrained=tiny-mdlm or "
@@ -82,6 +83,7 @@ class DLLMQuantModule(QuantizeLMModule):
         self.calib, self.n_prompts, self.n_test = calib, n_prompts, n_test
         self.kl_ratios, self.seed = [float(r) for r in kl_ratios], seed
         self.clip_ratios: dict[int, float] = {}
+        self.n_traj = n_traj
         self.task_files, self.question_field, self.answer_field = task_files, question_field, answer_field
 
     def build_model(self):
@@ -248,7 +250,7 @@ class DLLMQuantModule(QuantizeLMModule):
                 val, cnt = self.kl_bits(ref.logits(x).cpu(), dlm.logits(x).cpu(), (x == dlm.mask_token_id).cpu())
                 kl_r[r][0] += val
                 kl_r[r][1] += cnt
-        traj = _tmas.record_trajectory(ref, [p["prompt"] for p in probs], s["gen_length"], s["steps"], s["block_length"])
+        traj = _tmas.record_trajectory(ref, [p["prompt"] for p in probs[: self.n_traj]], s["gen_length"], s["steps"], s["block_length"])
         per_step: dict[int, list[float]] = {}
         for st in traj:
             x = st["ids"][None].to(self.device)
