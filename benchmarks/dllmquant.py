@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+from pathlib import Path
 
 from benchmarks.schema import Claim, run_benchmark
 
@@ -103,7 +104,29 @@ def claims(result: dict, argv: list[str]):
     found.append(Claim(
         "efficiency", "while enhancing efficiency", "speed-up / memory of int4 kernels", None, ">1.6x, 3.2x (reviews)",
         "not_measurable_here", "fake quantization only: packed weight bytes are reported, kernels are not claimed"))
-    return found, []
+    return found, [plot_growth(rows)]
+
+
+def plot_growth(rows: list[dict]) -> Path:
+    """KL(FP ‖ Q) per denoising step along the FP trajectory, one line per method (W4A4)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        if r["bits"] == "W4A4":
+            steps = sorted(r["kl_per_step"], key=int)
+            ax.plot([int(i) for i in steps], [r["kl_per_step"][i] for i in steps], marker="o", label=r["method"])
+    ax.set(xlabel="denoising step (FP trajectory)", ylabel="KL(FP ‖ Q), bits per masked token", yscale="log",
+           title="tiny-mdlm W4A4: error along the denoising steps")
+    ax.legend(fontsize=8)
+    path = Path(tempfile.mkdtemp()) / "kl_steps.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 if __name__ == "__main__":
