@@ -144,6 +144,9 @@ def test_tmas_draws_real_trajectory_states_by_stage():
         for d in drawn:
             assert any(torch.equal(d["ids"], s["ids"]) for s in states)
             assert min(3, int((1 - d["mask_ratio"]) * 4)) == d["stage"]
+    by_step = tmas.draw(states, 10, stage_by="step", steps=8, seed=2)  # stages = 4 runs of steps (start = step -1)
+    assert [sum(d["stage"] == k for d in by_step) for k in range(4)] == tmas.largest_remainder(10, tmas.PROPORTIONS)
+    assert all(d["stage"] == (d["step"] + 1) * 4 // 9 for d in by_step)
     with pytest.raises(ValueError, match="four non-negative stage shares"):
         tmas.draw(states, 4, [0.5, 0.5])
 
