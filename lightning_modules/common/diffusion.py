@@ -34,8 +34,13 @@ REMASKING = ("low_confidence", "random")
 
 # --- the backbone ------------------------------------------------------------------------------------------------
 def bidirectional_core(attn, hidden_states, q, k, v, attention_mask) -> torch.Tensor:
-    """Full (non-causal) attention; the causal/padding mask transformers built is ignored on purpose."""
+    """Full (non-causal) attention; the causal/padding mask transformers built is ignored on purpose.
+    ``attn._paperlab_value_hook(attn, q, k, v) -> v`` (optional; dllmquant's IA-AQ value quantizer and recorder)
+    sees the expanded heads and returns the V the attention uses."""
     k, v = repeat_kv(k, attn.num_key_value_groups), repeat_kv(v, attn.num_key_value_groups)
+    hook = getattr(attn, "_paperlab_value_hook", None)
+    if hook is not None:
+        v = hook(attn, q, k, v)
     out = F.scaled_dot_product_attention(q, k, v, is_causal=False, scale=attn.scaling)
     return out.transpose(1, 2)
 

@@ -6,6 +6,10 @@ matmul; gradients reach the full-precision weights through the straight-through 
 ``callbacks/kernels/fake_quant.py`` for the grids and the STE, and the Triton kernel used on CUDA).
 Any bit widths: 16 means "leave in full precision", so W4A4, W4A16 and W16A4 are one layer.
 
+``input_scale`` (optional, per input channel; set by ``set_input_scales``): the input is divided by s before its
+quantizer and the weight multiplied by s, so the product is unchanged and the activation grid sees x/s (AWQ's
+smoothing, dllmquant's W4A4).
+
 ``quantize_model(model, QuantSpec(...))`` swaps every ``nn.Linear`` of a model in place, except the LM head
 (``skip``); embeddings are not linear layers and stay in full precision. ``overrides`` maps a module-name
 pattern (fnmatch) to changed fields, e.g. the QAT-law paper's fix ``{"*down_proj": {"a_bits": 8}}``
@@ -96,8 +100,13 @@ class FakeQuantLinear(nn.Linear):
                                  f"that divides the layer's input dimension")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = getattr(self, "input_scale", None)  # AWQ's per-input-channel s: the activation quantizer sees x/s
+        if s is not None:
+            x = x / s.to(x)
         x = fake_quant(x, self.a_bits, self.a_group_size, self.a_symmetric, self.clip_ratio, self.impl)
         w = fake_quant(self.weight, self.w_bits, self.w_group_size, self.w_symmetric, self.clip_ratio, self.impl)
+        if s is not None:
+            w = w * s.to(w)  # (W·diag s)(x/s) = Wx: only the quantizer sees the scaled input
         return F.linear(x, w, self.bias)
 
     def extra_repr(self) -> str:
@@ -138,3 +147,11 @@ def quantize_model(model: nn.Module, spec: QuantSpec | Mapping[str, Any] | None 
             setattr(module, child_name, new)
             replaced[full] = new
     return replaced
+
+
+def set_input_scales(layers: Mapping[str, nn.Module], scales: Mapping[str, torch.Tensor]) -> None:
+    """Give each named ``FakeQuantLinear`` its per-input-channel ``input_scale`` (AWQ's s, from the driver)."""
+    for name, s in scales.items():
+        if name not in layers:
+            raise ValueError(f"input scale for {name}, which is not a fake-quantized layer")
+        layers[name].input_scale = torch.as_tensor(s).detach().to(layers[name].weight.dtype)

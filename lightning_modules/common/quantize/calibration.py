@@ -1,7 +1,8 @@
 """Calibration statistics: input second moments of linear layers, collected with forward hooks.
 
 ``MomentCollector`` streams Σ = E[xxᵀ] for a set of ``nn.Linear`` modules in float64 accumulators (memory O(n²)
-per layer, whatever the number of calibration tokens). ``capture_inputs`` grabs one module's input on one batch
+per layer, whatever the number of calibration tokens); with per-token weights c_j (``weight``, e.g. dllmquant's CGQ)
+Σ = Σ_j c_j x_j x_jᵀ / Σ_j c_j. ``capture_inputs`` grabs one module's input on one batch
 and stops the forward there (sequential mode needs the full-precision and the quantized inputs of the same tokens,
 to accumulate Σ_X̂, Σ_{XX̂} = E[x x̂ᵀ] and Σ_X).
 """
@@ -23,9 +24,21 @@ def _flat(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return x.double()
 
 
+def _flat_weight(weight: torch.Tensor, mask: torch.Tensor | None, device) -> torch.Tensor:
+    """Per-token weights (B×S) flattened like ``_flat`` flattens the tokens."""
+    w = weight.reshape(-1).to(device=device, dtype=torch.float64)
+    if mask is not None:
+        w = w[mask.reshape(-1).to(device).bool()]
+    if (w < 0).any():
+        raise ValueError("token weights must be non-negative")
+    return w
+
+
 class MomentCollector:
     """Accumulates E[xxᵀ] of each module's input over calibration batches. Modules that see the same input
-    tensor (q/k/v; gate/up) can share one accumulator by passing the same key."""
+    tensor (q/k/v; gate/up) can share one accumulator by passing the same key. Set ``weight`` (B×S, like ``mask``)
+    before a batch to weight its tokens: Σ = Σ_j c_j x_j x_jᵀ / Σ_j c_j (None: every c_j = 1, the plain mean);
+    ``counts`` stays the number of tokens."""
 
     def __init__(self, modules: dict[str, torch.nn.Module], device: torch.device | str | None = None):
         self.modules = modules
@@ -33,18 +46,25 @@ class MomentCollector:
         self.sums: dict[str, torch.Tensor] = {}
         self.counts: dict[str, int] = {}
         self.mask: torch.Tensor | None = None
+        self.weight: torch.Tensor | None = None
+        self.totals: dict[str, float] = {}  # Σ_j c_j per key (the token count when unweighted)
         self._handles = []
 
     def _hook(self, key):
         def hook(mod, args):
             x = _flat(args[0].detach(), self.mask)
             dev = self.device or x.device
-            xtx = (x.T @ x).to(dev)
+            if self.weight is None:
+                xtx, total = (x.T @ x).to(dev), x.shape[0]
+            else:
+                c = _flat_weight(self.weight, self.mask, x.device)
+                xtx, total = ((x * c.unsqueeze(1)).T @ x).to(dev), float(c.sum())
             if key in self.sums:
                 self.sums[key] += xtx
             else:
                 self.sums[key] = xtx
             self.counts[key] = self.counts.get(key, 0) + x.shape[0]
+            self.totals[key] = self.totals.get(key, 0) + total
         return hook
 
     def __enter__(self):
@@ -59,7 +79,7 @@ class MomentCollector:
         return False
 
     def moments(self) -> dict[str, torch.Tensor]:
-        return {k: self.sums[k] / max(self.counts[k], 1) for k in self.sums}
+        return {k: self.sums[k] / (self.totals[k] if self.totals[k] > 0 else 1) for k in self.sums}
 
 
 @torch.no_grad()

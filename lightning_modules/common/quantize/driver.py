@@ -105,7 +105,9 @@ def quantize_model(model, quantizer: Quantizer, batches: list[dict], rate: float
                    attn_weighted_qkv: float | None = None, zero_out_rows: dict | None = None, eps_search: bool = False,
                    eps_steps: int = 10, log=print) -> dict:
     """Quantize ``model`` in place; returns {"layers": [...], "summary": {...}, "factors": {name: (t, g)}} (the
-    diagonal factors of each factored Ŵ = diag(t)·A·diag(g), WaterSIC's, for WaterSIC-FT).
+    diagonal factors of each factored Ŵ = diag(t)·A·diag(g), WaterSIC's, for WaterSIC-FT) and "input_scales"
+    {name: s} (AWQ's per-input-channel scales, for an activation quantizer that must see x/s).
+    A batch may carry ``token_weight`` (B×S, c_j ≥ 0): every Σ is then Σ_j c_j x_j x_jᵀ / Σ_j c_j (dllmquant's CGQ).
 
     ``stats_device``: where plain mode keeps its float64 Σ accumulators (e.g. ``cpu`` when all layers' Σ do not fit
     beside the model); each layer's Σ is moved to the weight's device when it is quantized."""
@@ -125,10 +127,11 @@ def quantize_model(model, quantizer: Quantizer, batches: list[dict], rate: float
         budget_bits, budget_weights = rate * total, total
         budgeted = rate_control and quantizer.fractional_rate
         rows: list[dict] = []
-        plain_stats, eps, factors = {}, {}, {}
+        plain_stats, eps, factors, input_scales = {}, {}, {}, {}
         if mode == "plain":
             with MomentCollector({g[0][0]: g[0][1] for g in groups}, device=stats_device) as col:
                 for b in batches:
+                    col.weight = b.get("token_weight")  # per-token weights c_j (dllmquant's CGQ), None = all 1
                     run_batch(model, b)
             plain_stats = {k: LayerStats(v, tokens=col.counts[k]) for k, v in col.moments().items()}
         else:
@@ -157,6 +160,8 @@ def quantize_model(model, quantizer: Quantizer, batches: list[dict], rate: float
                 w_hat, rep = quantize_rows(quantizer, w, stats, target, budgeted, zero)
                 if "factors" in rep:
                     factors[name] = rep.pop("factors")
+                if "input_scale" in rep:
+                    input_scales[name] = rep.pop("input_scale")
                 mod.weight.copy_(w_hat.to(mod.weight.dtype))
                 mse = stats.output_error(w, w_hat)
                 row = {"layer": name, "rows": w.shape[0], "cols": w.shape[1], "target": target, "zeroed_rows": len(zero),
@@ -169,7 +174,7 @@ def quantize_model(model, quantizer: Quantizer, batches: list[dict], rate: float
                 budget_weights -= w.numel()
                 if log:
                     log(f"[quantize] {name}: {row['bits']:.3f} bits, rel. output MSE {row['rel_mse']:.4g}")
-    return {"layers": rows, "summary": _summary(rows), "factors": factors}
+    return {"layers": rows, "summary": _summary(rows), "factors": factors, "input_scales": input_scales}
 
 
 def quantize_rows(quantizer: Quantizer, w: torch.Tensor, stats: LayerStats, rate: float, rate_control: bool,
@@ -194,6 +199,8 @@ def quantize_rows(quantizer: Quantizer, w: torch.Tensor, stats: LayerStats, rate
         t = torch.zeros(w.shape[0], dtype=res.info["t"].dtype, device=w.device)
         t[keep] = res.info["t"]
         rep["factors"] = (t, res.info["g"])
+    if "input_scale" in res.info:  # per-input-channel scale s (AWQ): Ŵ = Q(W·diag s)·diag(1/s)
+        rep["input_scale"] = res.info["input_scale"]
     return w_hat, rep
 
 
@@ -270,6 +277,9 @@ def _sequential_stats(model, reference, ref_modules, group, batches, residual: b
                 aw = attention_token_weights(reference, prefix, b).reshape(-1).to(x.device)
                 aw = aw if keep is None else aw[keep]
                 tok = (1 - a_eps) * aw + a_eps * tok
+            if b.get("token_weight") is not None:  # per-token weights c_j (dllmquant's CGQ)
+                c = b["token_weight"].reshape(-1).to(x)
+                tok = tok * (c if keep is None else c[keep])
             xw = x * tok.unsqueeze(1)
             add("sig_h", (xh * tok.unsqueeze(1)).T @ xh)
             add("cross", xw.T @ xh)
@@ -278,7 +288,7 @@ def _sequential_stats(model, reference, ref_modules, group, batches, residual: b
                 r = flat(capture_inputs(reference, ref_modules[f"{prefix}.{source}"], b))
                 rh = flat(capture_inputs(model, mods[f"{prefix}.{source}"], b).to(x.device))
                 add("res", ((r - rh) * tok.unsqueeze(1)).T @ xh)
-            count += float(tok.sum())
+            count += float(tok.sum())  # Σ c_j: the weighted mean (the token count when unweighted)
     if q_eps:  # blend toward plain statistics (x̂ = x)
         acc["sig_h"] = (1 - q_eps) * acc["sig_h"] + q_eps * acc["sig_x"]
         acc["cross"] = (1 - q_eps) * acc["cross"] + q_eps * acc["sig_x"]
