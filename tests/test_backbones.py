@@ -109,14 +109,15 @@ def test_non_embedding_count_excludes_embeddings():
 def test_tiny_backbone_forward_and_train_step(name):
     torch.manual_seed(0)
     spec = load_spec(name, vocab_size=256)
+    V = spec["config"]["vocab_size"]  # the data's (256 here), or the backbone's own closed vocabulary (tiny_mdlm)
     model = build_backbone(spec)
-    assert model.config.vocab_size == 256
-    ids = torch.randint(0, 256, (2, 16))
+    assert model.config.vocab_size == V
+    ids = torch.randint(0, V, (2, 16))
     out = model(input_ids=ids, labels=ids, use_cache=False)
-    assert out.logits.shape == (2, 16, 256)
+    assert out.logits.shape == (2, 16, V)
     assert torch.isfinite(out.loss)
     # the model's loss is the mean next-token cross-entropy of its own logits
-    ref = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, 256), ids[:, 1:].reshape(-1))
+    ref = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))
     assert torch.allclose(out.loss, ref, atol=1e-5)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     before = [p.detach().clone() for p in model.parameters()]
