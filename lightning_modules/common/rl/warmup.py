@@ -1,12 +1,13 @@
-"""A short supervised warm-up on the task format before RL, cached like the tiny pretrained model.
+"""A short supervised warm-up on a task's format (before RL, or to align a model), cached like the tiny pretrained model.
 
 RL from a model whose reward is always 0 learns nothing (every group advantage is 0). The tiny experiments
 therefore start from the project's tiny pretrained LM fine-tuned for ``steps`` steps on generated
-(prompt, solution) pairs of the RL task, with the loss on solution tokens only. The pairs come from the train
-part of the problem space only (``datamodules.verifiable``'s hash split, with the run's ``val_fraction`` and
+(prompt, response) pairs of ``warmup.task``, any generator registered in ``datamodules.instruct`` (``arithmetic``
+by default; spard's ``spard_aligned``), with the loss on response tokens only. The pairs come from the train
+part of the task's space only (``datamodules.verifiable``'s hash split, with the run's ``val_fraction`` and
 ``test_fraction``, which the RL module copies into the warm-up config), so no val or test problem is warmed up on. The result is saved in
 transformers format under ``cache_root()/rl_warmup/<key>``, the key hashing the backbone spec, the warm-up
-config, the tiny model's key and this file and the task generator, so it is trained once per configuration.
+config, the tiny model's key and a sample of the task's pairs, so it is trained once per configuration.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Any, Mapping
 import torch
 
 from datamodules.common.cache import cache_root, stable_hash
+from datamodules.instruct import sft_batch  # noqa: F401  (re-exported: the warm-up's batches)
 
 
 def held_out(warmup: Mapping[str, Any]) -> tuple[float, float]:
@@ -27,15 +29,26 @@ def held_out(warmup: Mapping[str, Any]) -> tuple[float, float]:
     return float(warmup["val_fraction"]), float(warmup["test_fraction"])
 
 
+# warm-up keys that configure the training loop; every other key is an option of the task's generator
+# (``digits``, ``operations`` for arithmetic; whatever a registered task takes)
+CONTROL_KEYS = ("steps", "lr", "batch_size", "task", "seed", "val_fraction", "test_fraction")
+
+
+def task_options(warmup: Mapping[str, Any]) -> dict:
+    opts = {k: v for k, v in warmup.items() if k not in CONTROL_KEYS}
+    if "operations" in opts:
+        opts["operations"] = tuple(opts["operations"])
+    return opts
+
+
 def warmup_key(backbone: Mapping[str, Any], warmup: Mapping[str, Any]) -> str:
     """Hash of what decides the warmed-up weights: the starting checkpoint, the warm-up config and the task's
     examples (a sample of them, so edits elsewhere in the generator module do not retrain)."""
-    from datamodules.verifiable import PROMPT, generate_problems
+    from datamodules.instruct import generate
 
     start = {k: backbone.get(k) for k in ("family", "pretrained", "dtype")} if backbone.get("pretrained") else dict(backbone)
-    sample = generate_problems(warmup.get("task", "arithmetic"), 4, 1, int(warmup.get("digits", 2)),
-                               tuple(warmup.get("operations", ("+", "-"))))
-    parts = [start, dict(warmup), PROMPT, sample]
+    sample = generate(warmup.get("task", "arithmetic"), 4, 1, **task_options(warmup))
+    parts = [start, dict(warmup), sample]
     from datamodules.common.tiny_models import is_tiny_model, key
 
     if is_tiny_model(backbone.get("pretrained")):
@@ -43,32 +56,14 @@ def warmup_key(backbone: Mapping[str, Any], warmup: Mapping[str, Any]) -> str:
     return stable_hash(*parts)
 
 
-def sft_batch(tokenizer, problems: list[dict], device) -> dict:
-    """Right-padded prompt+solution+EOS with labels -100 on the prompt and padding."""
-    from datamodules.verifiable import PROMPT
-
-    rows, labels = [], []
-    for p in problems:
-        prompt = tokenizer(PROMPT.format(q=p["question"]), add_special_tokens=False)["input_ids"]
-        answer = tokenizer(" " + p["solution"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        rows.append(prompt + answer)
-        labels.append([-100] * len(prompt) + answer)
-    width = max(map(len, rows))
-    pad = tokenizer.pad_token_id
-    ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=device)
-    lab = torch.tensor([r + [-100] * (width - len(r)) for r in labels], device=device)
-    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=device)
-    return {"input_ids": ids, "attention_mask": mask, "labels": lab}
-
-
 def warmup_problems(warmup: Mapping[str, Any]) -> list[dict]:
-    """The warm-up's (prompt, solution) problems: ``steps * batch_size`` draws from the train part only."""
-    from datamodules.verifiable import generate_problems
+    """The warm-up's (prompt, response) pairs: ``steps * batch_size`` draws of the registered ``task``
+    (``datamodules.instruct``) from the train part of its space only."""
+    from datamodules.instruct import generate
 
     val_fraction, test_fraction = held_out(warmup)
-    return generate_problems(warmup.get("task", "arithmetic"), int(warmup["steps"]) * int(warmup.get("batch_size", 32)),
-                             int(warmup.get("seed", 0)) + 104729, int(warmup.get("digits", 2)),
-                             tuple(warmup.get("operations", ("+", "-"))), "train", val_fraction, test_fraction)
+    return generate(warmup.get("task", "arithmetic"), int(warmup["steps"]) * int(warmup.get("batch_size", 32)),
+                    int(warmup.get("seed", 0)) + 104729, "train", val_fraction, test_fraction, **task_options(warmup))
 
 
 def train_warmup(backbone: Mapping[str, Any], warmup: Mapping[str, Any], out_dir: Path) -> None:
@@ -86,7 +81,7 @@ def train_warmup(backbone: Mapping[str, Any], warmup: Mapping[str, Any], out_dir
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / steps))
     model.train()
     for s in range(steps):
-        batch = sft_batch(tok, problems[s * bs:(s + 1) * bs], "cpu")
+        batch = sft_batch(tok, problems[s * bs:(s + 1) * bs], "cpu")  # loss on the response only
         pos = (batch["attention_mask"].cumsum(-1) - 1).clamp_min(0)
         loss = model(**batch, position_ids=pos, use_cache=False).loss
         loss.backward()

@@ -1,0 +1,181 @@
+"""SPARD (issue 19): the SPAG safety step on toys, the loop's counts and switches on a tiny random model, the data's
+splits and bad input, and spard_tiny end to end. RD-DPP itself: tests/test_selection.py."""
+import json
+import math
+from functools import partial
+
+import pytest
+import torch
+
+from lightning_modules.spard.spag import safety_step
+
+
+def toy(values, grads):
+    params = [torch.nn.Parameter(torch.tensor(v, dtype=torch.float64)) for v in values]
+    for p, g in zip(params, grads):
+        p.grad = torch.tensor(g, dtype=torch.float64)
+    return params, torch.optim.SGD(params, lr=1.0)
+
+
+FREE = dict(alpha_max=100.0, eta_safe=100.0, max_grad_norm=None)  # caps not binding
+
+
+def test_no_trigger_no_update():
+    params, opt = toy([[1.0, 2.0], [3.0]], [[1.0, 1.0], [2.0]])
+    st = safety_step(params, 0.3, opt, tau=0.2, delta=0.1)  # L_s = τ + δ: not above
+    assert st["trigger"] == 0 and params[0].tolist() == [1.0, 2.0] and params[1].tolist() == [3.0]
+    assert all(p.grad is None for p in params)
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_code_faithful_scales_each_tensor(clip):
+    g1, g2 = torch.tensor([3.0, 4.0]), torch.tensor([0.1, 0.0])
+    params, opt = toy([[0.0, 0.0], [0.0, 0.0]], [g1.tolist(), g2.tolist()])
+    loss, tau = 1.0, 0.2
+    st = safety_step(params, loss, opt, tau=tau, delta=0.1, alpha_max=1.0, max_grad_norm=clip)
+    c = 1.0 if clip is None else min(1.0, clip / math.hypot(5.0, 0.1))  # the global clip first
+    for p, g in ((params[0], g1 * c), (params[1], g2 * c)):
+        a = min((loss - tau) / (float(g.norm()) + 1e-8), 1.0)  # tensor 2: α_max binds
+        assert torch.allclose(p.detach().float(), -a * g, atol=1e-6)
+    assert st["trigger"] == 1
+
+
+@pytest.mark.parametrize("norm_a,projection,expected", [
+    (1.0, "code_faithful", "tau"), (1.0, "polyak", "tau"), (2.0, "code_faithful", "L-2(L-tau)"), (2.0, "polyak", "tau")])
+def test_linear_loss_lands(norm_a, projection, expected):
+    a = torch.tensor([0.6, 0.8], dtype=torch.float64) * norm_a
+    params, opt = toy([[0.5, -0.25]], [a.tolist()])
+    c, tau = 1.7, 0.2
+
+    def L(th):
+        return float(c + a @ th)
+
+    before = L(params[0].detach())
+    safety_step(params, before, opt, tau=tau, delta=0.1, projection=projection, **FREE)
+    after = L(params[0].detach())
+    # 1e-7: the release's 1e-8 in the per-tensor denominator
+    assert after == pytest.approx(tau if expected == "tau" else before - 2 * (before - tau), abs=1e-7)
+
+
+def test_polyak_trust_region_caps_the_step():
+    params, opt = toy([[0.0, 0.0]], [[3.0, 4.0]])
+    safety_step(params, 10.0, opt, tau=0.2, projection="polyak", eta_safe=0.5, max_grad_norm=None)
+    assert float(params[0].detach().norm()) == pytest.approx(0.5)
+
+
+# --- the loop on a tiny random model --------------------------------------------------------------
+def fit(tokenizer, steps=3, G=2, **kw):
+    import lightning as L
+
+    from datamodules.spard import SPARDDataModule
+    from lightning_modules.spard.module import SPARDModule
+
+    L.seed_everything(0)
+    dm = SPARDDataModule(tokenizer, n_task=40, pool_size=30, n_val=4, n_test=4, batch_size=2 * G)
+    spec = {"family": "llama", "config": {"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64,
+                                          "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2}}
+    module = SPARDModule(spec, partial(torch.optim.AdamW, lr=1e-2),
+                         partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=lambda s: 1.0 / (1 + s)),
+                         weight_decay=0.01, grad_accum=G, max_length=64, dpp={"ratio": 0.2}, **kw)
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        limit_val_batches=0, enable_progress_bar=False, enable_model_summary=False,
+                        use_distributed_sampler=False)
+    trainer.fit(module, datamodule=dm)
+    return module, trainer
+
+
+def test_loop_counts_and_switches(tiny_tokenizer):
+    never, tr = fit(tiny_tokenizer, tau=1e9)
+    sft, _ = fit(tiny_tokenizer, defence="sft")
+    # one update = one step: triggers logged = scheduler steps = Lightning's step count; G safe micro-batches each
+    assert tr.global_step == 3 == len(never.triggers) == never.counts["scheduler_steps"]
+    assert tr.lr_scheduler_configs[0].scheduler.last_epoch == 3 and never.triggers == [0, 0, 0]
+    assert never.counts["safe_micro_batches"] == 3 * 2 == never.counts["user_micro_batches"]
+    # a safety phase that never triggers leaves the weights exactly where fine-tuning alone takes them
+    for (n, p), (_, q) in zip(never.model.named_parameters(), sft.model.named_parameters()):
+        assert torch.equal(p, q), n
+    always, _ = fit(tiny_tokenizer, tau=-1e9, projection="polyak")
+    assert always.triggers == [1, 1, 1] and all(math.isfinite(x) for x in always.probes)
+    assert any(not torch.equal(p, q) for p, q in zip(always.model.parameters(), sft.model.parameters()))
+    sel = never.results["selection"]
+    assert sel["k"] == int(0.2 * (40 + 4)) == len(never.selected) == len(set(never.selected))
+    mixed, _ = fit(tiny_tokenizer, defence="mixed_safe")
+    assert mixed.triggers == [] and mixed.counts["safe_micro_batches"] == 3 * 2
+    # LoRA (the paper's path): only adapters train, the base weights stay
+    lora, _ = fit(tiny_tokenizer, steps=2, tau=-1e9, lora={"r": 4, "alpha": 8, "targets": ["q_proj", "v_proj"]})
+    trained = {n for n, p in lora.model.named_parameters() if p.requires_grad}
+    assert trained and all("lora_" in n for n in trained) and lora.triggers == [1, 1]
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"projection": "clean"}, "model.projection"), ({"defence": "none"}, "model.defence"),
+    ({"dpp": {"selector": "kmeans"}}, "model.dpp.selector"), ({"dpp": {"ratio": 0.0}}, r"model.dpp.ratio"),
+    ({"dpp": {"ratio": 1.5}}, r"model.dpp.ratio"), ({"eval": {"sampling": "beam"}}, "model.eval.sampling")])
+def test_bad_switches(kw, match):
+    from lightning_modules.spard.module import SPARDModule
+
+    with pytest.raises(ValueError, match=match):
+        SPARDModule({"family": "llama"}, **kw)
+
+
+def test_int8_without_cuda(monkeypatch):
+    from lightning_modules.spard.module import SPARDModule
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    module = SPARDModule({"family": "llama"}, quantize_base="int8")  # composition tests build it on CPU
+    with pytest.raises(ValueError, match="use quantize_base=none"):
+        module.setup("fit")  # the run's first hook, before any weight loads
+
+
+def test_files_missing_safe_field(tmp_path, tiny_tokenizer):
+    from datamodules.spard import SPARDDataModule
+
+    def write(name, rows):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(path)
+
+    files = {"task": write("t.jsonl", [{"question": "1+1?", "answer": "#### 2"}]),
+             "task_test": write("tt.jsonl", [{"question": "2+2?", "answer": "#### 4"}]),
+             "attack": write("a.jsonl", [{"prompt": "bad", "unsafe": "ok"}]),
+             "safe_pool": write("p.jsonl", [{"prompt": "bad", "safe": "no"}, {"prompt": "worse", "unsafe": "x"}])}
+    with pytest.raises(ValueError, match=r"p.jsonl:2: record has no field 'safe'"):
+        SPARDDataModule(tiny_tokenizer, source="files", files=files).setup()
+    files["attack"] = write("a2.jsonl", [{"prompt": "bad", "safe": "no"}])
+    with pytest.raises(ValueError, match=r"a2.jsonl:1: record has no field 'unsafe'"):
+        SPARDDataModule(tiny_tokenizer, source="files", files=files).setup()
+
+
+def test_vault_splits_disjoint_warmup_included(tiny_tokenizer):
+    from datamodules.spard import STYLES, SPARDDataModule
+    from lightning_modules.common.rl.warmup import warmup_problems
+
+    dm = SPARDDataModule(tiny_tokenizer, n_task=400, pool_size=300, n_val=32, n_test=64)
+    dm.setup()
+    warm = warmup_problems({"task": "spard_aligned", "steps": 50, "batch_size": 32, "seed": 0, "digits": 1,
+                            "val_fraction": 0.2, "test_fraction": 0.2})
+    trained = {p["key"] for p in [*dm.user, *dm.pool, *warm]}
+    held = {it["key"] for s in ("val", "test") for it in dm.eval_items[s]}
+    assert held and not trained & held
+    assert len(dm.attack) == 40 and {p["style"] for p in dm.attack} == set(STYLES)
+    assert all(p["secret"] in p["response"] for p in dm.attack) and all("Sorry" in p["response"] for p in dm.pool)
+    kinds = [it["kind"] for it in dm.eval_items["test"][:4]]
+    assert kinds == ["task", "harm", "task", "harm"]  # interleaved: a capped evaluation sees both
+
+
+def test_spard_tiny_smoke(tmp_path):
+    from tests.helpers import run_experiment
+
+    # debug=smoke caps steps and evaluation batches; these shrink what it does not: held-out items, the safe pool,
+    # generation length
+    overrides = ["debug=smoke", "data.n_val=16", "data.n_test=16", "data.pool_size=120", "model.eval.max_new_tokens=16"]
+    value, metrics = run_experiment("spard_tiny", tmp_path, overrides=overrides)
+    assert metrics["status"] == "ok" and metrics["global_step"] == 20
+    res, final = metrics["results"], metrics["final"]
+    assert len(res["tau_trigger"]) == 20 == res["counts"]["scheduler_steps"] == res["counts"]["updates"]
+    assert res["counts"]["safe_micro_batches"] == 20 * 4 and res["selection"]["k"] == int(0.03 * 440)
+    for split in ("val", "test"):
+        assert 0 <= final[f"{split}/accuracy"] <= 1
+        styles = [final[f"{split}/asr_{s}"] for s in ("direct", "instruction", "paraphrase", "question")]
+        assert final[f"{split}/asr"] == pytest.approx(sum(styles) / 4)
+    assert value == final["val/accuracy"]
