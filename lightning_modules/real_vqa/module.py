@@ -64,9 +64,6 @@ class REALModule(CausalLMModule):
             if decoding == "vcd":
                 raise ValueError("model.decoding=vcd contrasts images but the model is text-only: set model.vision "
                                  "(TinyVLM) or an image_text_to_text backbone")
-        if self.vision is None and kind == "image_text_to_text":
-            raise ValueError("hub VLM backbones (kind: image_text_to_text) are composed for the record only; their "
-                             "processor-based prompts are not wired yet: use the TinyVLM path (model.vision) here")
         if self.sft["target"] == "answer_only" and discriminator == "model" and (
                 decoding == "rpgd" and self.rpgd["trigger"] == "discriminator"):
             raise ValueError("sft.target=answer_only trains no conflict discriminator: set model.discriminator="
@@ -80,6 +77,16 @@ class REALModule(CausalLMModule):
         self.results: dict[str, Any] = {}
 
     # --- model ------------------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        """The first hook of a run, before any weight loads (paper-scale configs are instantiated on CPU by the
+        composition tests, so this check is not in ``__init__``)."""
+        if self.vision is None and (self.backbone_spec.get("kind") or "causal_lm") == "image_text_to_text":
+            raise ValueError("hub VLM backbones (kind: image_text_to_text) are composed and counted but their "
+                             "processor-based prompts are not wired into REALModule yet: use the TinyVLM path "
+                             "(model.vision) or finish the hub path in lightning_modules/real_vqa/module.py")
+        if self.vision is None:
+            raise ValueError("REALModule runs on TinyVLM: set model.vision (a text-only model has no image to read)")
+
     def get_tokenizer(self):
         if self.tokenizer is None:
             dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
