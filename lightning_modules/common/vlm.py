@@ -51,7 +51,8 @@ class TinyVLM(nn.Module):
         from transformers import SiglipVisionConfig, SiglipVisionModel
 
         v = check_vision(vision or {})
-        self.vision = SiglipVisionModel(SiglipVisionConfig(**v))
+        # patch features only: no pooling head (it would hold parameters no loss reaches)
+        self.vision = SiglipVisionModel(SiglipVisionConfig(**v, vision_use_head=False))
         width = lm.get_input_embeddings().weight.shape[1]
         self.projector = nn.Sequential(nn.Linear(v["hidden_size"], width), nn.GELU(), nn.Linear(width, width))
         self.lm = lm
