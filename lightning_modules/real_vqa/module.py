@@ -192,7 +192,10 @@ class REALModule(CausalLMModule):
         if self.decoding == "cad":
             return self.prompt_ids(item, []), pixels
         if self.decoding == "vcd":
-            g = torch.Generator().manual_seed(self.seed * 7919 + hash(item["key"]) % 100_003)
+            from datamodules.common.splits import unit_hash
+
+            # the same noise for an item in every run (str hash() is salted per process)
+            g = torch.Generator().manual_seed(self.seed * 7919 + int(unit_hash(item["key"]) * 2**31))
             noise = torch.randn(pixels.shape, generator=g).to(pixels)
             gamma = float(self.eval_cfg["vcd_noise"])
             return self.prompt_ids(item), (1 - gamma) * pixels + gamma * noise
