@@ -262,7 +262,8 @@ class REALModule(CausalLMModule):
             self._add("conflict_accuracy", float(pred == gold))
             for name, hit in (("tp", pred and gold), ("fp", pred and not gold), ("fn", gold and not pred)):
                 self._add(name, float(hit))
-            self._add("malformed", float(out["malformed"]))
+            if self.discriminator == "model":
+                self._add("malformed", float(out["malformed"]))
             if it["kind"] == "false":
                 self._add("fpr_false_held_out" if it.get("held_out") else "fpr_false_seen", float(pred))
         self.model.train(was)
