@@ -130,3 +130,14 @@ def test_tiny_backbone_forward_and_train_step(name):
     with torch.no_grad():
         after = model(input_ids=ids, labels=ids, use_cache=False).loss
     assert after < out.loss  # one step on a batch lowers the loss on that batch
+
+
+def test_vlm_backbones_build_as_image_text_to_text_on_meta():
+    """``kind: image_text_to_text`` specs (Qwen2-VL, LLaVA) build a VLM with a vision tower on the meta device (their
+    counts are checked against the header above)."""
+    vlms = [n for n in paper_scale_files() if load_spec(n).get("kind") == "image_text_to_text"]
+    assert {"qwen2vl_7b_instruct", "llava15_7b"} <= set(vlms)
+    for name in vlms:
+        model = build_backbone(load_spec(name), meta=True)
+        assert any("vision" in n or "visual" in n for n, _ in model.named_modules()), f"{name}: no vision tower"
+        assert all(p.device.type == "meta" for p in model.parameters())

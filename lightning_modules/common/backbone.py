@@ -3,6 +3,7 @@
 A backbone spec (``conf/backbone/*.yaml``) is plain data::
 
     family: llama                  # transformers model_type
+    kind: causal_lm                # causal_lm | image_text_to_text (a hub VLM: Qwen2-VL, LLaVA)
     config: {hidden_size: 128, ...} # architecture numbers (kwargs of the transformers config class)
     pretrained: null               # hub id, local dir, ``tiny-lm`` (the project's cached tiny model) or null
     revision: null                 # a hub branch/tag/commit of ``pretrained`` (Pythia's ``step143000``); hub ids only
@@ -52,11 +53,25 @@ def check_revision(spec: Mapping[str, Any]) -> None:
                          "and set backbone.revision=null")
 
 
-def build_backbone(spec: Mapping[str, Any], meta: bool = False):
-    """A causal LM from a spec: random init from ``config`` (or on the meta device), or ``from_pretrained``."""
-    import torch
-    from transformers import AutoModelForCausalLM
+KINDS = ("causal_lm", "image_text_to_text")
 
+
+def _auto_class(spec: Mapping[str, Any]):
+    """The transformers auto class of a spec's ``kind`` (default ``causal_lm``)."""
+    import transformers
+
+    kind = spec.get("kind") or "causal_lm"
+    if kind not in KINDS:
+        raise ValueError(f"backbone.kind={kind!r} is unknown: use one of {list(KINDS)}")
+    return transformers.AutoModelForImageTextToText if kind == "image_text_to_text" else transformers.AutoModelForCausalLM
+
+
+def build_backbone(spec: Mapping[str, Any], meta: bool = False):
+    """A causal LM (or, with ``kind: image_text_to_text``, a hub VLM) from a spec: random init from ``config``
+    (or on the meta device), or ``from_pretrained``."""
+    import torch
+
+    AutoModelForCausalLM = _auto_class(spec)  # noqa: N806 (the auto class of the spec's kind)
     dtype = _dtype(spec.get("dtype"))
     attn = spec.get("attn_implementation") or "sdpa"
     pretrained = spec.get("pretrained")

@@ -1,0 +1,1 @@
+"""REAL (issue 23): RPA-SFT and pivot-guided decoding for knowledge-intensive VQA."""
