@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from lightning_modules.common.eval_hooks import TestIsValidation
 from lightning_modules.common.lm import CausalLMModule, _plain
 from lightning_modules.real_vqa.decoding import DECODINGS, ContrastProcessor, check_alpha_beta, greedy_decode
 from lightning_modules.real_vqa.target import (ANSWER_OPEN, SEGMENTS, TARGETS, consistent_passages, keyword_mismatch,
@@ -38,7 +39,7 @@ RPGD_DEFAULTS = {"alpha": 1.0, "beta": 0.1, "orthogonalize": True, "trigger": "d
 EVAL_DEFAULTS = {"max_new_tokens": 48, "answer_tokens": 12, "vcd_noise": 0.5}
 
 
-class REALModule(CausalLMModule):
+class REALModule(TestIsValidation, CausalLMModule):
     def __init__(self, backbone: Mapping[str, Any], optimizer: Callable | None = None, scheduler: Callable | None = None,
                  weight_decay: float = 0.0, vision: Mapping | None = None, sft: Mapping | None = None,
                  rpgd: Mapping | None = None, decoding: str = "rpgd", discriminator: str = "model",
@@ -283,18 +284,6 @@ class REALModule(CausalLMModule):
         for k, v in rates.items():
             self.log(f"{prefix}/{k}", v, prog_bar=k == "answer_accuracy", sync_dist=False)
         self.results[prefix] = rates
-
-    def on_validation_epoch_end(self):
-        self._eval_end("val")
-
-    def on_test_epoch_start(self):
-        self.on_validation_epoch_start()
-
-    def test_step(self, batch, batch_idx):
-        self.validation_step(batch, batch_idx)
-
-    def on_test_epoch_end(self):
-        self._eval_end("test")
 
 
 def differing_words(passages: list[str]) -> list[str]:

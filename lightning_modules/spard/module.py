@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from datamodules.instruct import cycling_loader, sft_batch
+from lightning_modules.common.eval_hooks import TestIsValidation
 from lightning_modules.common.lm import CausalLMModule, _plain
 from lightning_modules.common.selection import SELECTORS, budget, mean_pairwise_cosine, relevance, select
 from lightning_modules.spard.spag import PROJECTIONS, safety_step
@@ -42,7 +43,7 @@ DPP_DEFAULTS = {"selector": "rd_dpp", "ratio": 0.03, "beta": 4, "eps": 1e-6, "en
 EVAL_DEFAULTS = {"sampling": "released", "max_new_tokens": 256, "threshold": 3, "on_failure": "zero", "batch_size": 32}
 
 
-class SPARDModule(CausalLMModule):
+class SPARDModule(TestIsValidation, CausalLMModule):
     def __init__(self, backbone: Mapping[str, Any], optimizer: Callable | None = None, scheduler: Callable | None = None,
                  weight_decay: float = 0.0, defence: str = "spard", projection: str = "code_faithful",
                  tau: float = 0.2, delta: float = 0.1, alpha_max: float = 1.0, eta_safe: float | None = None,
@@ -301,15 +302,3 @@ class SPARDModule(CausalLMModule):
             rates["asr"] = sum(styles) / len(styles)  # mean over attack styles, as the paper averages its 4 sets
         for k, v in rates.items():
             self.log(f"{prefix}/{k}", v, prog_bar=k in ("accuracy", "asr"), sync_dist=False)
-
-    def on_validation_epoch_end(self):
-        self._eval_end("val")
-
-    def on_test_epoch_start(self):
-        self.on_validation_epoch_start()
-
-    def test_step(self, batch, batch_idx):
-        self.validation_step(batch, batch_idx)
-
-    def on_test_epoch_end(self):
-        self._eval_end("test")

@@ -36,6 +36,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from lightning_modules.common.eval_hooks import TestIsValidation
 from lightning_modules.common.lm import CausalLMModule, _plain
 from lightning_modules.common.rl.advantages import batch_normalize, compute_advantages
 from lightning_modules.common.rl.losses import AGGREGATIONS, LOSS_TYPES, divisors, k3_kl, policy_loss
@@ -76,7 +77,7 @@ class SavedBytes:
         return False
 
 
-class RLModule(CausalLMModule):
+class RLModule(TestIsValidation, CausalLMModule):
     def __init__(self, backbone: Mapping[str, Any], optimizer: Callable | None = None, scheduler: Callable | None = None,
                  weight_decay: float = 0.0, advantage: str = "grpo", aggregation: str = "seq_mean", group_size: int = 8,
                  max_new_tokens: int = 32, temperature: float = 1.0, top_p: float = 1.0, ppo_epochs: int = 1,
@@ -346,15 +347,3 @@ class RLModule(CausalLMModule):
             if steps:
                 curve(f"rl/{keys[0]}", {k: (steps, [c[k] for c in self._curves]) for k in keys}, self.loggers,
                       xlabel="step", ylabel=ylabel)
-
-    def on_validation_epoch_end(self):
-        self._eval_end("val")
-
-    def on_test_epoch_start(self):
-        self.on_validation_epoch_start()
-
-    def test_step(self, batch, batch_idx):
-        self.validation_step(batch, batch_idx)
-
-    def on_test_epoch_end(self):
-        self._eval_end("test")
