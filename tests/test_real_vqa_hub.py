@@ -173,10 +173,94 @@ def test_real_vqa_llava_experiment_runs_on_a_tiny_saved_llava(tiny_llava, tmp_pa
     from tests.helpers import run_experiment
 
     value, metrics = run_experiment("real_vqa_llava15_7b", tmp_path, [
-        "debug=smoke", "trainer=cpu", "trainer.max_steps=4", "trainer.val_check_interval=4",
+        "debug=smoke", "trainer=cpu", "trainer.devices=1", "trainer.accumulate_grad_batches=1", "trainer.max_steps=4",
+        "trainer.val_check_interval=4",
         f"backbone.pretrained={tiny_llava}", "backbone.dtype=float32", "backbone.gradient_checkpointing=false",
         "data.n_train=16", "data.n_val=2", "data.n_test=4", "data.batch_size=4", "data.eval_batch_size=2",
         "model.eval.max_new_tokens=12", "model.eval.answer_tokens=4", "model.rpgd.trigger=always"])
     test = metrics["results"]["test"]
     assert 0.0 <= value <= 1.0 and value == pytest.approx(test["answer_accuracy"])
     assert test["contrast_rate"] == 1.0  # trigger=always: RPGD's second context ran on every item
+
+
+# --- Qwen2-VL: the model and its image processor (its processor needs torchvision, see the module docstring) ----------
+@pytest.fixture(scope="module")
+def tiny_qwen2vl():
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    from lightning_modules.common.vlm import HubVLM
+
+    config = Qwen2VLConfig(
+        text_config={"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "bos_token_id": 0, "eos_token_id": 1,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}},
+        vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 32, "mlp_ratio": 2, "num_heads": 2, "patch_size": 4,
+                       "spatial_merge_size": 2, "temporal_patch_size": 2},
+        vision_start_token_id=60, vision_end_token_id=61, image_token_id=62, video_token_id=63)
+    torch.manual_seed(0)
+    return HubVLM(Qwen2VLForConditionalGeneration(config).eval(), processor=None)
+
+
+def _qwen_inputs(image, text_ids):
+    """Hand-expanded ids (what Qwen2VLProcessor writes: vision_start, one image_pad per merged 2x2 patch group,
+    vision_end, then the text) and Qwen2VLImageProcessor's tensors for one image."""
+    from transformers import Qwen2VLImageProcessor
+
+    proc = Qwen2VLImageProcessor(min_pixels=16 * 16, max_pixels=64 * 64, patch_size=4, merge_size=2,
+                                 temporal_patch_size=2)
+    pix = dict(proc(images=[image], return_tensors="pt"))
+    n = int(pix["image_grid_thw"].prod()) // 4
+    return [5, 60] + [62] * n + [61] + text_ids, pix
+
+
+def test_qwen2vl_adapter_logits_equal_the_hf_model(tiny_qwen2vl):
+    it = _item()
+    ids, pix = _qwen_inputs(it["image"], [7, 8, 11, 12])
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        want = tiny_qwen2vl.hf(input_ids=x, mm_token_type_ids=(x == 62).long(), **pix).logits
+        got = tiny_qwen2vl(input_ids=x, pixel_values=pix).logits
+    assert torch.equal(got, want)
+
+
+def _two_contexts():
+    """A prompt and a contrast context whose images differ in shape, so their M-RoPE offsets differ."""
+    import numpy as np
+
+    it = _item()
+    prompt, pix = _qwen_inputs(it["image"], [7, 8, 11, 12])
+    contrast, cpix = _qwen_inputs(np.concatenate([it["image"], it["image"]], axis=1), [7, 9, 12])
+    return prompt, pix, contrast, cpix
+
+
+def test_qwen2vl_each_cache_keeps_its_own_mrope_offset(tiny_qwen2vl):
+    """Two contexts prefilled in turn, then one cached step each: the logits equal a from-scratch forward of each
+    (transformers keeps one offset on the model, the second prefill's; the adapter keeps one per cache)."""
+    model = tiny_qwen2vl
+    prompt, pix, contrast, cpix = _two_contexts()
+    with torch.no_grad():
+        caches = [model(input_ids=torch.tensor([ids]), pixel_values=p, use_cache=True).past_key_values
+                  for ids, p in ((prompt, pix), (contrast, cpix))]
+        for (ids, p), cache in zip(((prompt, pix), (contrast, cpix)), caches):
+            step = model(input_ids=torch.tensor([[13]]), past_key_values=cache, use_cache=True).logits[0, -1]
+            x = torch.tensor([ids + [13]])
+            full = model.hf(input_ids=x, mm_token_type_ids=(x == 62).long(), **p).logits[0, -1]
+            assert torch.allclose(step, full, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["rpgd", "cad"])
+def test_qwen2vl_cached_contrast_equals_uncached_recomputation(tiny_qwen2vl, mode):
+    prompt, pix, contrast, cpix = _two_contexts()
+    model = tiny_qwen2vl
+    proc = ContrastProcessor(model, torch.tensor([contrast]), mode, alpha=1.5, beta=0.0, pixel_values=cpix)
+    cached = greedy_decode(model, torch.tensor([prompt]), 5, eos_id=None, pixel_values=pix, processor=proc)
+    seq, manual = torch.tensor([prompt]), []
+    with torch.no_grad():
+        for _ in range(5):
+            c = torch.cat([torch.tensor([contrast]), seq[:, len(prompt):]], 1)
+            z = model.hf(input_ids=seq, mm_token_type_ids=(seq == 62).long(), **pix).logits[:, -1].double()
+            zc = model.hf(input_ids=c, mm_token_type_ids=(c == 62).long(), **cpix).logits[:, -1].double()
+            t = int((rpgd_logits(z, zc, 1.5, 0.0) if mode == "rpgd" else cad_logits(z, zc, 1.5)).argmax())
+            manual.append(t)
+            seq = torch.cat([seq, torch.tensor([[t]])], 1)
+    assert cached == manual
