@@ -130,6 +130,23 @@ def test_hub_loss_supervises_the_target_only_and_lora_stays_on_the_lm(tiny_llava
     assert all(p.grad is not None for n, p in m.model.named_parameters() if p.requires_grad and "lora_B" in n)
 
 
+def test_hub_vcd_noises_the_image_tensors_only(tiny_llava):
+    from datamodules.common.tokenizer import load_tokenizer
+
+    m = _hub_module(tiny_llava, decoding="vcd", eval={"vcd_noise": 0.5, "max_new_tokens": 6, "answer_tokens": 3})
+    m.set_tokenizer(load_tokenizer(str(tiny_llava)))
+    m.configure_model()
+    m.eval()
+    it = _item()
+    clean = m.pixels([it])
+    ids, noised = m.contrast_inputs(it, {}, clean)
+    assert ids == m.prompt_ids(it) and set(noised) == set(clean)
+    noise = (noised["pixel_values"] - 0.5 * clean["pixel_values"]) / 0.5  # (1 - g)·image + g·N(0, 1), g = 0.5
+    assert abs(float(noise.mean())) < 0.1 and abs(float(noise.std()) - 1) < 0.1
+    assert torch.equal(m.contrast_inputs(it, {}, clean)[1]["pixel_values"], noised["pixel_values"])  # seeded per item
+    assert m.answer(it)["contrast"]
+
+
 @pytest.mark.parametrize("mode", ["rpgd", "cad", "vcd"])
 def test_hub_cached_contrast_equals_uncached_recomputation(hub, mode):
     it = _item()
