@@ -16,18 +16,22 @@ DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 def apply_lora(model: torch.nn.Module, r: int = 8, alpha: float = 16, dropout: float = 0.0,
                targets: Sequence[str] = DEFAULT_TARGETS, trainable: Sequence[str] = (),
-               task_type: str = "CAUSAL_LM") -> torch.nn.Module:
+               task_type: str = "CAUSAL_LM", within: str | None = None) -> torch.nn.Module:
     """The peft-wrapped model: LoRA(r, alpha, dropout) on ``targets``, and parameters whose name contains any of
-    ``trainable`` trained in full; every other parameter frozen."""
+    ``trainable`` trained in full; every other parameter frozen. ``within``: the name of a submodule (a VLM's
+    language model, e.g. ``model.language_model``) whose ``targets`` alone get adapters (a CLIP tower has q_proj too)."""
     from peft import LoraConfig, get_peft_model
 
     if r <= 0:
         raise ValueError(f"lora.r={r} must be a positive rank")
-    missing = [t for t in targets if not any(n.split(".")[-1] == t for n, _ in model.named_modules())]
+    names = [n for n, _ in model.named_modules() if within is None or n.startswith(within + ".")]
+    missing = [t for t in targets if not any(n.split(".")[-1] == t for n in names)]
     if missing:
-        raise ValueError(f"lora.targets {missing} match no module of {type(model).__name__}; name its linear layers "
-                         "(e.g. q_proj, v_proj)")
-    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), bias="none",
+        raise ValueError(f"lora.targets {missing} match no module of {type(model).__name__}"
+                         f"{'' if within is None else ' under ' + within}; name its linear layers (e.g. q_proj, v_proj)")
+    # full names match exactly in peft, so ``within`` keeps same-named layers elsewhere (the vision tower) untouched
+    chosen = list(targets) if within is None else [n for n in names if n.split(".")[-1] in targets]
+    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=chosen, bias="none",
                      task_type=task_type)
     model = get_peft_model(model, cfg)
     for name, p in model.named_parameters():

@@ -8,11 +8,19 @@ KV caches and logits processors work as for the bare LM. A text-only call (no ``
 ``input_ids`` to the LM untouched: its logits are the LM's, bit for bit.
 
 The placeholder id is outside the LM's vocabulary (``len(tokenizer)`` after :func:`add_image_token`), so the LM's
-embedding and head are not resized and can never emit it. Hub VLMs (Qwen2-VL, LLaVA) load through
-``build_backbone`` with ``kind: image_text_to_text`` instead.
+embedding and head are not resized and can never emit it.
+
+``HubVLM`` gives a hub VLM (LLaVA, Qwen2-VL: ``build_backbone`` with ``kind: image_text_to_text``, i.e.
+``AutoModelForImageTextToText``, plus its ``AutoProcessor``) the same call interface: ``model(input_ids=...,
+pixel_values=..., past_key_values=..., use_cache=...)``. Its prompts come from the processor (chat template, the
+image placeholder expanded into the model's own image tokens) and its ``pixel_values`` are the image processor's
+tensors (``pixel_values`` and, for Qwen2-VL, ``image_grid_thw``), so code written for TinyVLM (REALModule, the
+contrastive decoders with their two KV caches) runs on it unchanged.
 """
 from __future__ import annotations
 
+import inspect
+import weakref
 from typing import Any, Mapping
 
 import torch
@@ -96,6 +104,12 @@ class TinyVLM(nn.Module):
             return self.lm.generate(input_ids=input_ids, attention_mask=attention_mask, **kw)
         return self.lm.generate(inputs_embeds=self.embed(input_ids, pixel_values), attention_mask=attention_mask, **kw)
 
+    def apply_lora(self, **lora) -> None:
+        """LoRA on the LM (``common.lora.apply_lora``); the vision tower and projector keep training in full."""
+        from lightning_modules.common.lora import apply_lora
+
+        self.lm = apply_lora(self.lm, **lora)
+
 
 def build_vlm(spec: Mapping[str, Any], image_token_id: int, vision: Mapping[str, Any] | None = None) -> TinyVLM:
     """A ``TinyVLM`` on the causal LM of a backbone spec (``kind: causal_lm``)."""
@@ -105,3 +119,93 @@ def build_vlm(spec: Mapping[str, Any], image_token_id: int, vision: Mapping[str,
         raise ValueError(f"TinyVLM wraps a causal LM; backbone.kind={spec.get('kind')!r} is already a VLM: set "
                          "model.vision=null to use it directly")
     return TinyVLM(build_backbone(spec), image_token_id, vision)
+
+
+class HubVLM(nn.Module):
+    """A hub image-text-to-text model and its processor behind TinyVLM's interface.
+
+    - :meth:`prompt_ids` (text, image) → the processor's token ids: its chat template when it has one, the image
+      placeholder expanded into as many image tokens as the model's vision tower yields for that image.
+    - :meth:`image_inputs` (images) → the image processor's tensors; pass them as ``pixel_values`` (a mapping).
+    - ``forward`` adds what the model needs beside the ids (``mm_token_type_ids`` for Qwen2-VL's M-RoPE) and keeps
+      Qwen2-VL's position offset (``rope_deltas``, which transformers stores on the model after a prompt) with each
+      KV cache, so two contexts decoded in turn (RPGD's full and pivot-masked prompts) do not share one.
+    """
+
+    def __init__(self, model: nn.Module, processor):
+        super().__init__()
+        self.hf, self.processor = model, processor
+        self.config = model.config  # what generation utilities and peft read
+        self.image_token_id = int(model.config.image_token_id)
+        self.lm_name = next(n for n, m in model.named_modules() if m is model.get_decoder())
+        self._needs_types = "mm_token_type_ids" in inspect.signature(model.forward).parameters
+        self._rope_owner = next((m for m in model.modules() if hasattr(m, "rope_deltas")), None)
+        self._rope_of_cache = weakref.WeakKeyDictionary()
+
+    def get_input_embeddings(self):
+        return self.hf.get_input_embeddings()
+
+    def get_output_embeddings(self):
+        return self.hf.get_output_embeddings()
+
+    def prompt_ids(self, text: str, image) -> list[int]:
+        """Token ids of one image (an HxWx3 uint8 array or a PIL image) followed by ``text``."""
+        p = self.processor
+        if p.chat_template:
+            text = p.apply_chat_template([{"role": "user", "content": [{"type": "image"},
+                                                                       {"type": "text", "text": text.lstrip()}]}],
+                                         add_generation_prompt=True, tokenize=False)
+        else:
+            text = p.image_token + text
+        return list(p(text=[text], images=[image])["input_ids"][0])
+
+    def image_inputs(self, images: list, device=None) -> dict[str, torch.Tensor]:
+        out = self.processor.image_processor(images=list(images), return_tensors="pt")
+        return {k: v.to(device) for k, v in out.items()}
+
+    def forward(self, input_ids=None, attention_mask=None, pixel_values=None, **kw):
+        has_images = input_ids is not None and bool((input_ids == self.image_token_id).any())
+        if has_images and pixel_values is None:
+            raise ValueError("input has image tokens but no pixel_values: pass HubVLM.image_inputs(images)")
+        if has_images:
+            kw.update(pixel_values if isinstance(pixel_values, Mapping) else {"pixel_values": pixel_values})
+            if self._needs_types:
+                kw["mm_token_type_ids"] = (input_ids == self.image_token_id).long()
+        cache = kw.get("past_key_values", kw.get("cache"))
+        if self._rope_owner is not None:  # this context's offset (None: recompute from the ids, as for a prompt)
+            self._rope_owner.rope_deltas = self._rope_of_cache.get(cache) if cache is not None else None
+        out = self.hf(input_ids=input_ids, attention_mask=attention_mask, **kw)
+        if self._rope_owner is not None and getattr(out, "past_key_values", None) is not None:
+            self._rope_of_cache[out.past_key_values] = self._rope_owner.rope_deltas
+        return out
+
+    def apply_lora(self, **lora) -> None:
+        """LoRA on the language model's ``targets`` only (``common.lora.apply_lora`` with ``within``); the vision
+        tower and projector stay frozen, as in the paper-scale recipe."""
+        from lightning_modules.common.lora import apply_lora
+
+        self.hf = apply_lora(self.hf, within=self.lm_name, **lora)
+
+
+def build_hub_vlm(spec: Mapping[str, Any]) -> HubVLM:
+    """A ``HubVLM`` from a backbone spec with ``kind: image_text_to_text`` and ``pretrained`` (a hub id or a local
+    dir holding the model and its processor). No remote code: the architectures must be transformers' own."""
+    from transformers import AutoProcessor
+
+    from lightning_modules.common.backbone import PretrainedNotFoundError, build_backbone, check_revision, resolve_pretrained
+
+    if spec.get("kind") != "image_text_to_text":
+        raise ValueError(f"HubVLM wraps a hub VLM; backbone.kind={spec.get('kind')!r}: set backbone.kind="
+                         "image_text_to_text, or model.vision for a TinyVLM on a causal LM")
+    if not spec.get("pretrained"):
+        raise ValueError("a hub VLM needs backbone.pretrained (a hub id or local dir): its processor (image tokens, "
+                         "resizing, chat template) comes with the checkpoint")
+    check_revision(spec)
+    extra = {"revision": spec["revision"]} if spec.get("revision") else {}
+    try:  # the processor first: a missing checkpoint fails before the weights load
+        processor = AutoProcessor.from_pretrained(resolve_pretrained(spec["pretrained"]), **extra)
+    except OSError as err:
+        raise PretrainedNotFoundError(
+            f"could not load the processor of backbone.pretrained={spec['pretrained']!r} ({err.__class__.__name__}): "
+            "no hub here? download it elsewhere and pass backbone.pretrained=<local dir>") from err
+    return HubVLM(build_backbone(spec), processor)

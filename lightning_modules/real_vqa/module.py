@@ -1,7 +1,9 @@
 """REAL (issue 23): reasoning-pivot alignment for knowledge-intensive VQA — RPA-SFT, then pivot-guided decoding.
 
 - **Model** (``build_model``): with ``vision`` set, a ``TinyVLM`` (``lightning_modules.common.vlm``) on the
-  backbone's causal LM; ``lora`` wraps the LM only, so the vision tower and projector train in full.
+  backbone's causal LM; ``lora`` wraps the LM only, so the vision tower and projector train in full. With
+  ``vision: null`` and a ``kind: image_text_to_text`` backbone (LLaVA, Qwen2-VL), a ``HubVLM``: the same calls, its
+  prompts and image tensors from the checkpoint's processor; ``lora`` goes on its language model only.
 - **RPA-SFT** (``compute_loss``): the target's segments (``target.py``) weighted λ_p·CE(pivots) + λ_c·CE(conflict)
   + λ_a·CE(answer), each CE the token mean over its segment in the batch; the prompt (image, passages, question)
   is never a label. ``sft.target``: rpa | conflict_only | answer_only.
@@ -78,15 +80,16 @@ class REALModule(TestIsValidation, CausalLMModule):
         self.results: dict[str, Any] = {}
 
     # --- model ------------------------------------------------------------------------------------
+    @property
+    def hub(self) -> bool:
+        """A hub VLM backbone (``HubVLM``) rather than TinyVLM on a causal LM."""
+        return self.vision is None and (self.backbone_spec.get("kind") or "causal_lm") == "image_text_to_text"
+
     def setup(self, stage: str) -> None:
-        """The first hook of a run, before any weight loads (paper-scale configs are instantiated on CPU by the
-        composition tests, so this check is not in ``__init__``)."""
-        if self.vision is None and (self.backbone_spec.get("kind") or "causal_lm") == "image_text_to_text":
-            raise ValueError("hub VLM backbones (kind: image_text_to_text) are composed and counted but their "
-                             "processor-based prompts are not wired into REALModule yet: use the TinyVLM path "
-                             "(model.vision) or finish the hub path in lightning_modules/real_vqa/module.py")
-        if self.vision is None:
-            raise ValueError("REALModule runs on TinyVLM: set model.vision (a text-only model has no image to read)")
+        """The first hook of a run, before any weight loads."""
+        if self.vision is None and not self.hub:
+            raise ValueError("REALModule needs a VLM: set model.vision (TinyVLM on this causal LM) or a backbone with "
+                             "kind: image_text_to_text (a text-only model has no image to read)")
 
     def get_tokenizer(self):
         if self.tokenizer is None:
@@ -103,18 +106,19 @@ class REALModule(TestIsValidation, CausalLMModule):
         self.image_token_id = add_image_token(tokenizer) if self.vision is not None else None
 
     def build_model(self):
-        from lightning_modules.common.vlm import build_vlm
+        from lightning_modules.common.vlm import build_hub_vlm, build_vlm
 
-        if self.image_token_id is None:
-            self.get_tokenizer()
-        model = build_vlm(self.backbone_spec, self.image_token_id, self.vision)
-        if model.image_token_id < model.lm.config.vocab_size:
-            raise ValueError(f"<image> id {model.image_token_id} is inside the LM's vocabulary "
-                             f"({model.lm.config.vocab_size}): the tokenizer and backbone disagree")
+        if self.hub:
+            model = build_hub_vlm(self.backbone_spec)
+        else:
+            if self.image_token_id is None:
+                self.get_tokenizer()
+            model = build_vlm(self.backbone_spec, self.image_token_id, self.vision)
+            if model.image_token_id < model.lm.config.vocab_size:
+                raise ValueError(f"<image> id {model.image_token_id} is inside the LM's vocabulary "
+                                 f"({model.lm.config.vocab_size}): the tokenizer and backbone disagree")
         if self.lora:
-            from lightning_modules.common.lora import apply_lora
-
-            model.lm = apply_lora(model.lm, **self.lora)
+            model.apply_lora(**self.lora)
         return model
 
     def forward(self, input_ids, attention_mask=None, **kw):
@@ -122,15 +126,19 @@ class REALModule(TestIsValidation, CausalLMModule):
 
     # --- batches ----------------------------------------------------------------------------------
     def prompt_ids(self, item: dict, passages: list[str] | None = None) -> list[int]:
+        """The image's tokens, then passages and question (a hub VLM: through its processor)."""
+        text = prompt_text(item, "", passages)
+        if self.hub:
+            return self.model.prompt_ids(text, item["image"])
         tok = self.get_tokenizer()
-        n = self.model.num_patches if self.vision is not None else 0
-        return [self.image_token_id] * n + tok(prompt_text(item, "", passages), add_special_tokens=False)["input_ids"]
+        return [self.image_token_id] * self.model.num_patches + tok(text, add_special_tokens=False)["input_ids"]
 
-    def pixels(self, items: list[dict]) -> torch.Tensor | None:
+    def pixels(self, items: list[dict]) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The images as the model takes them: a (B, 3, H, W) tensor (TinyVLM) or the image processor's tensors."""
+        if self.hub:
+            return self.model.image_inputs([it["image"] for it in items], self.device)
         from datamodules.kivqa import to_pixels
 
-        if self.vision is None:
-            return None
         return torch.stack([to_pixels(it["image"]) for it in items]).to(self.device)
 
     def sft_batch(self, items: list[dict]) -> dict:
@@ -197,9 +205,11 @@ class REALModule(TestIsValidation, CausalLMModule):
 
             # the same noise for an item in every run (str hash() is salted per process)
             g = torch.Generator().manual_seed(self.seed * 7919 + int(unit_hash(item["key"]) * 2**31))
-            noise = torch.randn(pixels.shape, generator=g).to(pixels)
+            clean = pixels["pixel_values"] if self.hub else pixels  # noise in the model's normalised pixel space
+            noise = torch.randn(clean.shape, generator=g).to(clean)
             gamma = float(self.eval_cfg["vcd_noise"])
-            return self.prompt_ids(item), (1 - gamma) * pixels + gamma * noise
+            noised = (1 - gamma) * clean + gamma * noise
+            return self.prompt_ids(item), ({**pixels, "pixel_values": noised} if self.hub else noised)
         values = verdict.get("values") or differing_words(item["passages"])
         if self.rpgd["contrast"] == "pivot_consistent":
             return self.prompt_ids(item, consistent_passages(item["passages"], values)), pixels
