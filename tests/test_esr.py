@@ -290,3 +290,19 @@ def test_esr_tiny_runs(tmp_path):
     assert value is not None and 0 <= value <= 1
     sae = {k: final[f"test/sae/{k}"] for k in ("variance_explained", "l0", "dead_fraction")}
     assert sae["variance_explained"] >= 0.9 and sae["l0"] <= 32 and sae["dead_fraction"] < 0.1, sae
+
+
+def test_train_sae_works_inside_inference_mode():
+    """A test-only run (task=test) trains its uncached SAE inside Lightning's inference mode: training must switch
+    grad back on itself, and learn (reconstruction error well below the inputs' variance)."""
+    from lightning_modules.esr.sae import train_sae
+
+    g = torch.Generator().manual_seed(0)
+    basis = torch.randn(8, 16, generator=g)
+    with torch.inference_mode():
+        acts = (torch.rand(512, 8, generator=g) * (torch.rand(512, 8, generator=g) < 0.2)) @ basis
+        sae = train_sae(acts, 32, l1=1e-3, steps=300, batch_size=64, lr=3e-3)
+    with torch.no_grad():
+        x = acts.clone()
+        err = ((sae.decode(sae.encode(x)) - x) ** 2).sum(-1).mean() / ((x - x.mean(0)) ** 2).sum(-1).mean()
+    assert err < 0.3, float(err)

@@ -78,9 +78,15 @@ def train_sae(acts: torch.Tensor, d_sae: int, l1: float = 5e-3, steps: int = 200
               lr: float = 1e-3, seed: int = 0, resample_every: int = 250) -> SAE:
     """A ReLU SAE on cached activations (N, d_in): loss = MSE + l1 · Σ_i f_i ‖W_dec[i]‖ on inputs scaled to unit mean
     norm (folded back into the weights at the end); b_dec starts at the mean; latents dead over the last
-    ``resample_every`` steps are re-initialised on the worst-reconstructed inputs (the standard recipe)."""
+    ``resample_every`` steps are re-initialised on the worst-reconstructed inputs (the standard recipe). Grad mode is
+    switched on here: a test-only run first trains its SAE inside Lightning's inference mode."""
+    with torch.inference_mode(False), torch.enable_grad():
+        return _train_sae(acts.float().clone(), d_sae, l1, steps, batch_size, lr, seed, resample_every)
+
+
+def _train_sae(acts: torch.Tensor, d_sae: int, l1: float, steps: int, batch_size: int, lr: float, seed: int,
+               resample_every: int) -> SAE:
     g = torch.Generator().manual_seed(seed)
-    acts = acts.float()
     scale = acts.norm(dim=-1).mean().clamp_min(1e-8)
     x_all = acts / scale
     d_in = x_all.shape[1]
