@@ -45,3 +45,9 @@ def run_experiment(experiment: str, tmp_path, overrides: list[str] = ("debug=smo
     value = run(cfg)
     metrics = json.loads((Path(tmp_path) / "metrics.json").read_text())
     return value, metrics
+
+
+# The cached warm-up (lightning_modules/common/rl/warmup.py) a tiny smoke test starts from: 40 steps at batch 16,
+# not the experiments' 150-300 at 32, so a cold suite builds each in seconds. Smoke tests on one warm-up task use
+# these same overrides, so they share one cache key (ps_ppo/grpo/rloo/hista on arithmetic build it once).
+SMOKE_WARMUP = ("model.warmup.steps=40", "model.warmup.batch_size=16")

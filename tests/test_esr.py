@@ -15,7 +15,7 @@ from lightning_modules.esr import steer as S
 from lightning_modules.esr.metrics import derangement, esr_metrics, find_detectors
 from lightning_modules.esr.sae import SAE, load_gemmascope, load_goodfire, load_sae, load_saelens, save_saelens
 from lightning_modules.esr.threshold import bisect
-from tests.helpers import compose, run_experiment
+from tests.helpers import SMOKE_WARMUP, compose, run_experiment
 
 
 def tiny_llama(layers=3, d=32):
@@ -279,9 +279,11 @@ def test_sae_input_size_must_match_hidden_size():
 # --- end to end ---------------------------------------------------------------------------------------------------
 def test_esr_tiny_runs(tmp_path):
     # debug=smoke caps the fit at 20 steps; the study's own sizes shrink here: 4 latents, 3 bisection trials,
-    # 2 responses each, 24 new tokens, 1 random ablation set (the SAE is esr_tiny's own, cached)
+    # 2 responses each, 24 new tokens, 1 random ablation set; and the cached pieces esr_tiny builds first: a
+    # 40-step warm-up at batch 16 (SMOKE_WARMUP, not 300 at 32) and a 512-latent SAE on 256 texts (not 1024 on 1024)
     over = ["debug=smoke", "model.steer.n_latents=4", "model.threshold.trials=3", "model.gen.trials=2",
-            "model.gen.max_new_tokens=24", "model.otd.random_sets=1"]
+            "model.gen.max_new_tokens=24", "model.otd.random_sets=1", *SMOKE_WARMUP, "model.sae.d_sae=512",
+            "model.sae.n_texts=256"]
     value, metrics = run_experiment("esr_tiny", tmp_path, over)
     final = metrics["final"] if "final" in metrics else metrics
     flat = json.dumps(metrics)

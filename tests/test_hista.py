@@ -229,10 +229,11 @@ def test_value_head_recovers_a_planted_linear_value():
 # --- end to end -------------------------------------------------------------------------------------------
 def test_hista_tiny_smoke(tmp_path, tiny_lm_dir):
     """hista_tiny through run.py's path (debug=smoke: 20 steps). The tiny run already shrinks the procedure's
-    sizes (min_interval 4, mean_window 1, merge_gap 2, d_min median): nothing else needs an override."""
-    from tests.helpers import run_experiment
+    sizes (min_interval 4, mean_window 1, merge_gap 2, d_min median); the overrides shrink the evaluation and the
+    cached warm-up (SMOKE_WARMUP: 40 steps at batch 16, not 200 at 32; the key test_ps_ppo_tiny's smoke runs share)."""
+    from tests.helpers import SMOKE_WARMUP, run_experiment
 
-    value, metrics = run_experiment("hista_tiny", tmp_path, overrides=("debug=smoke", "data.n_val=16"))
+    value, metrics = run_experiment("hista_tiny", tmp_path, overrides=("debug=smoke", "data.n_val=16", *SMOKE_WARMUP))
     final = metrics["final"]
     assert metrics["status"] == "ok" and metrics["global_step"] == 20
     assert math.isfinite(final["train/loss"]) and math.isfinite(final["train/grad_norm"])

@@ -178,11 +178,12 @@ def test_data_splits_disjoint():
 
 
 def test_instemb_tiny_smoke(tmp_path):
-    from tests.helpers import run_experiment
+    from tests.helpers import SMOKE_WARMUP, run_experiment
 
-    # debug=smoke caps steps and evaluation batches; these shrink what it does not: the training triples and the
-    # held-out objects each evaluation embeds (under 3 instructions, k-means per instruction)
-    overrides = ["debug=smoke", "data.n_train=320", "data.n_val=32", "data.n_test=32"]
+    # debug=smoke caps steps and evaluation batches; these shrink what it does not: the training triples, the
+    # held-out objects each evaluation embeds (under 3 instructions, k-means per instruction) and the cached
+    # warm-up instemb_tiny starts from (SMOKE_WARMUP: 40 steps at batch 16, not 150 at 32)
+    overrides = ["debug=smoke", "data.n_train=320", "data.n_val=32", "data.n_test=32", *SMOKE_WARMUP]
     value, metrics = run_experiment("instemb_tiny", tmp_path, overrides=overrides)
     assert metrics["status"] == "ok" and metrics["global_step"] == 20
     final = metrics["final"]

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from tests.helpers import compose, run_experiment
+from tests.helpers import SMOKE_WARMUP, compose, run_experiment
 
 
 def recomputed_accuracy(experiment: str, overrides, tiny_lm_dir, state_dict) -> dict[str, float]:
@@ -38,7 +38,8 @@ def recomputed_accuracy(experiment: str, overrides, tiny_lm_dir, state_dict) -> 
 
 @pytest.mark.parametrize("experiment", ["ps_ppo_tiny", "grpo_tiny", "rloo_tiny"])
 def test_rl_tiny_smoke(experiment, tmp_path, tiny_lm_dir):
-    overrides = ("debug=smoke", "data.n_val=16")
+    # beyond debug=smoke: a smaller evaluation and the small cached warm-up (SMOKE_WARMUP, shared with hista's)
+    overrides = ("debug=smoke", "data.n_val=16", *SMOKE_WARMUP)
     value, metrics = run_experiment(experiment, tmp_path, overrides=overrides)
     assert metrics["status"] == "ok" and metrics["global_step"] == 20
     final = metrics["final"]

@@ -310,12 +310,13 @@ def test_probe_bad_input_fails_before_loading():
 
 
 def test_rlkv_tiny_smoke(tmp_path, tiny_lm_dir):
-    """The tiny probe end to end (smoke: 20 steps; data.n_val=16 and model.self_filter=16 shrink evaluation and the
-    self-filter, which debug=smoke does not): rollouts from the gated model, the penalty on, gates moved."""
-    from tests.helpers import run_experiment
+    """The tiny probe end to end (smoke: 20 steps; data.n_val=16, model.self_filter=16 and SMOKE_WARMUP shrink
+    evaluation, the self-filter and the cached warm-up, which debug=smoke does not): rollouts from the gated model,
+    the penalty on, gates moved."""
+    from tests.helpers import SMOKE_WARMUP, run_experiment
 
     value, metrics = run_experiment("rlkv_tiny", tmp_path, overrides=("debug=smoke", "data.n_val=16",
-                                                                      "model.self_filter=16"))
+                                                                      "model.self_filter=16", *SMOKE_WARMUP))
     assert metrics["status"] == "ok" and metrics["global_step"] == 20
     final, results = metrics["final"], metrics["results"]
     assert math.isfinite(final["train/loss"]) and final["train/reg"] >= 0

@@ -164,11 +164,12 @@ def test_vault_splits_disjoint_warmup_included(tiny_tokenizer):
 
 
 def test_spard_tiny_smoke(tmp_path):
-    from tests.helpers import run_experiment
+    from tests.helpers import SMOKE_WARMUP, run_experiment
 
     # debug=smoke caps steps and evaluation batches; these shrink what it does not: held-out items, the safe pool,
-    # generation length
-    overrides = ["debug=smoke", "data.n_val=16", "data.n_test=16", "data.pool_size=120", "model.eval.max_new_tokens=16"]
+    # generation length, the cached warm-up (SMOKE_WARMUP: 40 steps at batch 16, not 300 at 32)
+    overrides = ["debug=smoke", "data.n_val=16", "data.n_test=16", "data.pool_size=120", "model.eval.max_new_tokens=16",
+                 *SMOKE_WARMUP]
     value, metrics = run_experiment("spard_tiny", tmp_path, overrides=overrides)
     assert metrics["status"] == "ok" and metrics["global_step"] == 20
     res, final = metrics["results"], metrics["final"]
