@@ -162,13 +162,15 @@ class _Pretrain(IterableDataset):
                 yield (dm.encode(arithmetic_text(rng)), None)
                 continue
             s = rule_induction_sample(rng, rng.choice(TASKS), rng.randint(1, dm.n_relevant),
-                                      rng.randint(0, dm.n_distractor), None, dm.answer, dm.number_max, "train",
-                                      dm.val_fraction, dm.test_fraction, dm.words_per_category)
+                                      rng.randint(0, dm.pretrain_max_distractor), None, dm.answer, dm.number_max,
+                                      "train", dm.val_fraction, dm.test_fraction, dm.words_per_category)
+            kinds = [key.split("|")[0] for key in s["keys"]]  # one per example, the query last
             ids, answers = [], []
             *heads, tail = (s["context"] + s["query"] + s["answer"] + "].").split("Answer:[")
-            for piece in heads:  # word-level pieces: encoding piece by piece is encoding the whole
+            for kind, piece in zip(kinds, heads):  # word-level pieces: encoding piece by piece is encoding the whole
                 ids += dm.encode(piece + "Answer:[")
-                answers.append(len(ids))  # the answer token follows "Answer:["
+                if dm.maskable_answers == "all" or kind not in DISTRACTORS:
+                    answers.append(len(ids))  # the answer token follows "Answer:["
             ids += dm.encode(tail)
             if len(ids) > dm.seq_len:
                 raise ValueError(f"a pretraining prompt of {len(ids)} tokens exceeds data.seq_len={dm.seq_len}: "
@@ -219,6 +221,11 @@ class RuleInductionDataModule(L.LightningDataModule):
         n_test: queries per task and distance; n_val: per task (random distance).
         answer_only_share: share of pretraining prompts whose loss masks only the examples' answers (LLaDA's SFT
             form: everything else is the clean prompt); the rest mask every token (its pretraining form).
+        maskable_answers: which answers those prompts may mask: ``all``, or ``relevant`` (the relevant examples'
+            and the query's; the distractors' stay clean, so a tiny model spends no steps on number comparison it
+            is never tested on).
+        pretrain_max_distractor: the most distractor examples in a pretraining prompt (null: ``n_distractor``);
+            fewer makes shorter, cheaper steps, while val/test queries keep ``n_distractor``.
         words_per_category: how many of each category's 12 words are drawn (fewer: an easier rule for a tiny model).
         seq_len: the context N of a fine-tune pair (question, answer and appended masks; the MA loss cuts a longer
             question from its start) and the longest pretraining sequence (prompts beyond it are refused).
@@ -229,7 +236,8 @@ class RuleInductionDataModule(L.LightningDataModule):
                  distances=(None,), n_val: int = 4, n_test: int = 4, arithmetic_share: float = 0.2,
                  batch_size: int = 8, val_fraction: float = 0.1, test_fraction: float = 0.1, seed: int = 0,
                  question_field: str = "question", answer_field: str = "response", seq_len: int = 1024,
-                 answer_only_share: float = 0.0, words_per_category: int = 12):
+                 answer_only_share: float = 0.0, words_per_category: int = 12, maskable_answers: str = "all",
+                 pretrain_max_distractor: int | None = None):
         super().__init__()
         if train not in ("pretrain", "qa"):
             raise ValueError(f"data.train={train!r}: choose pretrain (the suite, LLaDA's loss) or qa (fine-tune pairs)")
@@ -250,6 +258,13 @@ class RuleInductionDataModule(L.LightningDataModule):
         self.batch_size, self.val_fraction, self.test_fraction, self.seed = batch_size, val_fraction, test_fraction, seed
         self.question_field, self.answer_field, self.seq_len = question_field, answer_field, seq_len
         self.answer_only_share = answer_only_share
+        if maskable_answers not in ("all", "relevant"):
+            raise ValueError(f"data.maskable_answers={maskable_answers!r}: choose all or relevant")
+        self.maskable_answers = maskable_answers
+        if pretrain_max_distractor is not None and not 0 <= pretrain_max_distractor <= n_distractor:
+            raise ValueError(f"data.pretrain_max_distractor={pretrain_max_distractor}: 0..n_distractor={n_distractor} "
+                             "(or null for n_distractor)")
+        self.pretrain_max_distractor = n_distractor if pretrain_max_distractor is None else pretrain_max_distractor
         if not 1 <= words_per_category <= 12:
             raise ValueError(f"data.words_per_category={words_per_category}: 1..12 (the suite's lists hold 12 words)")
         self.words_per_category = words_per_category
