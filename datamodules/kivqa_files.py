@@ -20,8 +20,9 @@ Annotated records become items with the synthetic KI-VQA's keys (``task: vqa``),
 pivot / conflict / answer target and the test loop scores the discriminator. Plain records (no pivot annotations)
 get ``task: answer`` (an answer-only target) and ``conflict: None`` (the test loop scores their answer only); their
 ``kind`` is the dataset name, so the test logs ``acc_<dataset>`` per benchmark.
-Conflict injection on file items (building REAL-VQA from annotated records) is not done here: records must carry
-their conflict labels and already-altered passages.
+Conflict injection on file items (building REAL-VQA from annotated records) is not done here: the synthetic
+injection (``kivqa.make_item``) writes its passages from its own KB templates, so it does not apply to retrieved
+text; REAL-VQA records must carry their conflict labels and already-altered passages.
 """
 from __future__ import annotations
 

@@ -45,6 +45,7 @@ def data_root(tmp_path):
     for split in ("train", "val", "test"):
         write(root, "evqa", split, [plain(0), plain(1, "blue")])
         write(root, "infoseek", split, [annotated(False), annotated(True)])
+    write(root, "aokvqa", "test", [plain(2)])  # a test-only benchmark: no train / val files
     return root
 
 
@@ -75,6 +76,8 @@ def test_items_match_the_records(data_root):
         assert np.allclose(px.numpy(), (np.array(colour, float) / 127.5 - 1.0)[:, None, None], atol=1e-6)
     assert load_splits(data_root, ["evqa"], k=3)["val"][0]["image"].shape == (24, 40, 3)  # no image_size: as stored
     assert a["key"] != b["key"] and a["key"] == splits["test"][0]["key"]
+    with_test_only = load_splits(data_root, ["evqa", "aokvqa"])
+    assert [len(with_test_only[s]) for s in ("train", "val", "test")] == [2, 2, 3]
 
 
 def test_bad_input_names_the_file_line_and_field(data_root, tmp_path):
@@ -103,10 +106,11 @@ def test_real_vqa_tiny_runs_on_files(data_root, tmp_path):
     # debug=smoke shortens training; these shrink what it does not: batch sizes and the decoding lengths
     value, metrics = run_experiment("real_vqa_tiny", tmp_path / "run", [
         "debug=smoke", "trainer.max_steps=4", "trainer.val_check_interval=4", "data.source=files",
-        f"local.data_root={data_root.parent}", "data.datasets=[evqa,infoseek]", "data.batch_size=4",
-        "data.eval_batch_size=2", "model.eval.max_new_tokens=12", "model.eval.answer_tokens=4"])
+        f"local.data_root={data_root.parent}", "data.datasets=[evqa,infoseek,aokvqa]", "data.batch_size=4",
+        "data.eval_batch_size=3", "model.eval.max_new_tokens=12", "model.eval.answer_tokens=4"])
     test = metrics["results"]["test"]
     assert value == pytest.approx(test["answer_accuracy"])
-    # 4 test items: 2 plain E-VQA (answer only, acc_evqa), 2 annotated InfoSeek (the discriminator is scored on them)
-    assert {"acc_evqa", "acc_clean", "acc_true", "conflict_accuracy", "conflict_f1"} <= set(test)
-    assert (4 * test["answer_accuracy"]).is_integer() and (2 * test["conflict_accuracy"]).is_integer()
+    # 5 test items: 2 plain E-VQA + 1 A-OKVQA (answer only: acc_evqa, acc_aokvqa) and 2 annotated InfoSeek (the
+    # discriminator is scored on these two only)
+    assert {"acc_evqa", "acc_aokvqa", "acc_clean", "acc_true", "conflict_accuracy", "conflict_f1"} <= set(test)
+    assert (5 * test["answer_accuracy"]).is_integer() and (2 * test["conflict_accuracy"]).is_integer()
