@@ -132,7 +132,8 @@ def claims(res, argv):
     out.append(Claim("benchmarks_gains", "Extensive experiments on diverse datasets demonstrate that REAL significantly "
                      "enhances discrimination accuracy and achieves superior performance", "answer accuracy on E-VQA, "
                      "InfoSeek, A-OKVQA", None, "+3.8 / +1.6 / +3.6 points (papernotes)", "not_measurable_here",
-                     "needs a 7B VLM (real_vqa_qwen2vl_7b: the hub path runs) and the datasets' passages and images (not wired)"))
+                     "needs a 7B VLM and the datasets' passages and images (real_vqa_qwen2vl_7b runs the hub path on local "
+                     "jsonl + image files, data.source=files)"))
     return out, []
 
 

@@ -15,6 +15,9 @@ Seeded from ``seed`` alone:
 - ``align`` items (image → entity name) train the projector.
 - **Splits**: by a hash of each item's content (``datamodules.common.splits``); every item touching a
   ``held_out_relations`` relation (as pivot or as the other relation) is test-only and never reaches training.
+
+``source: files`` replaces all of this with local jsonl + image files (E-VQA, InfoSeek, A-OKVQA, REAL-VQA; record
+format in ``datamodules.kivqa_files``) producing items with the same keys.
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ RELATIONS = {
     "era": ("bronze", "iron", "modern", "medieval", "classic", "ancient"),
 }
 KINDS = ("clean", "true", "false", "patch_shuffle")
+SOURCES = ("synthetic", "files")
 SYLLABLES = ("ka", "lo", "mi", "ru", "te", "no", "sa", "vi", "do", "pe", "zu", "ha")
 
 
@@ -190,14 +194,25 @@ def knowledge_items(seed: int = 0, held_out_relations=("language", "era"), kb_se
 
 class KIVQADataModule(L.LightningDataModule):
     """Train: VQA items of the train split mixed with ``knowledge`` / ``align`` items; val / test: VQA items
-    (test adds the held-out relations). Batches are lists of item dicts; the module tokenises them."""
+    (test adds the held-out relations). Batches are lists of item dicts; the module tokenises them.
+    ``source: files``: the items of ``<root>/<dataset>/{train,val,test}.jsonl`` for each of ``datasets`` instead
+    (``n_*``, ``held_out_relations``, ``patch_shuffle_frac`` and the knowledge items are then unused; ``image_size``
+    resizes the file images)."""
 
     def __init__(self, tokenizer, n_train: int = 1200, n_val: int = 48, n_test: int = 96, k: int = 3,
                  held_out_relations=("language", "era"), patch_shuffle_frac: float = 0.1, knowledge_fraction: float = 1.0,
                  knowledge_repeat: int = 2, val_fraction: float = 0.15, test_fraction: float = 0.15,
                  batch_size: int = 16, eval_batch_size: int = 16, seq_len: int = 256, seed: int = 0, kb_seed: int = 0,
-                 num_workers: int = 0):
+                 num_workers: int = 0, source: str = "synthetic", root: str | None = None, datasets=(),
+                 image_size: int | None = None):
         super().__init__()
+        if source not in SOURCES:
+            raise ValueError(f"data.source={source!r}: choose one of {', '.join(SOURCES)}")
+        self.source, self.root, self.datasets, self.image_size = source, root, tuple(datasets or ()), image_size
+        if source == "files":  # bad paths and records fail before the model is built
+            from datamodules.kivqa_files import load_splits
+
+            self.file_splits = load_splits(root, self.datasets, k, image_size)
         check_fractions(val_fraction, test_fraction)
         unknown = sorted(set(held_out_relations) - set(RELATIONS))
         if unknown:
@@ -220,6 +235,9 @@ class KIVQADataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None):
         if self.train is not None:
+            return
+        if self.source == "files":
+            self.train, self.eval_items = self.file_splits["train"], {s: self.file_splits[s] for s in ("val", "test")}
             return
         vqa = self.items("train", self.n_train)
         kb = knowledge_items(self.seed, self.held_out_relations, self.kb_seed, self.knowledge_fraction)

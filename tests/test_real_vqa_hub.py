@@ -186,17 +186,26 @@ def test_hub_bad_input():
 
 def test_real_vqa_llava_experiment_runs_on_a_tiny_saved_llava(tiny_llava, tmp_path):
     """The paper-scale config itself (real_vqa_llava15_7b), its backbone pointed at the tiny saved LLaVA and shrunk
-    to one CPU: hub loading, processor prompts, RPA-SFT with LoRA and the RPGD test loop end to end."""
+    to one CPU: hub loading, processor prompts, RPA-SFT with LoRA and the RPGD test loop end to end, on its file
+    data (a tiny E-VQA / InfoSeek / A-OKVQA set written here; the processor resizes the 40x24 images)."""
     from tests.helpers import run_experiment
+    from tests.test_kivqa_files import annotated, plain, write
 
-    value, metrics = run_experiment("real_vqa_llava15_7b", tmp_path, [
+    root = tmp_path / "data" / "real_vqa"
+    for split in ("train", "val", "test"):
+        write(root, "evqa", split, [plain(0), plain(1, "blue")])
+        write(root, "infoseek", split, [annotated(False), annotated(True)])
+        write(root, "aokvqa", split, [plain(2)])
+    value, metrics = run_experiment("real_vqa_llava15_7b", tmp_path / "run", [
+        f"local.data_root={tmp_path / 'data'}",
         "debug=smoke", "trainer=cpu", "trainer.devices=1", "trainer.accumulate_grad_batches=1", "trainer.max_steps=4",
         "trainer.val_check_interval=4",
         f"backbone.pretrained={tiny_llava}", "backbone.dtype=float32", "backbone.gradient_checkpointing=false",
-        "data.n_train=16", "data.n_val=2", "data.n_test=4", "data.batch_size=4", "data.eval_batch_size=2",
+        "data.batch_size=4", "data.eval_batch_size=2",
         "model.eval.max_new_tokens=12", "model.eval.answer_tokens=4", "model.rpgd.trigger=always"])
     test = metrics["results"]["test"]
     assert 0.0 <= value <= 1.0 and value == pytest.approx(test["answer_accuracy"])
+    assert {"acc_evqa", "acc_clean", "acc_true", "conflict_accuracy"} <= set(test)  # 4 of the 5 test items (2 batches)
     assert test["contrast_rate"] == 1.0  # trigger=always: RPGD's second context ran on every item
 
 

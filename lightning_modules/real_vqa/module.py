@@ -15,8 +15,9 @@
   pivot-consistent passages (``pivot_consistent``); ``cad`` against the prompt without passages; ``vcd`` against the
   image mixed with Gaussian noise (``eval.vcd_noise``). The second context runs in a ``ContrastProcessor`` with
   its own KV cache.
-- **Metrics**: ``answer_accuracy`` overall and per kind (``acc_clean``, ``acc_true``, ``acc_false``,
-  ``acc_patch_shuffle``); the discriminator's ``conflict_accuracy``, ``conflict_f1`` and false-positive rates on
+- **Metrics**: ``answer_accuracy`` overall (the answer or one of its ``answers`` aliases, exact match) and per kind
+  (``acc_clean``, ``acc_true``, ``acc_false``, ``acc_patch_shuffle``; ``acc_<dataset>`` for file items without
+  pivot annotations, whose conflict is unlabelled and not scored); the discriminator's ``conflict_accuracy``, ``conflict_f1`` and false-positive rates on
   non-pivot changes (``fpr_false_seen``, ``fpr_false_held_out``); ``malformed`` (unparseable conflict blocks).
 """
 from __future__ import annotations
@@ -263,12 +264,12 @@ class REALModule(TestIsValidation, CausalLMModule):
         self.model.eval()
         for it in batch:
             out = self.answer(it)
-            correct = float(out["answer"] is not None and out["answer"] == it["answer"])
+            correct = float(out["answer"] is not None and out["answer"] in it.get("answers", [it["answer"]]))
             self._add("answer_accuracy", correct)
             self._add(f"acc_{it['kind']}", correct)
             self._add("contrast_rate", float(out["contrast"]))
-            if self.sft["target"] == "answer_only" and self.discriminator == "model":
-                continue  # no discriminator to score
+            if it["conflict"] is None or (self.sft["target"] == "answer_only" and self.discriminator == "model"):
+                continue  # no gold conflict label (a plain file item) or no discriminator to score
             pred, gold = bool(out["conflict"]), bool(it["conflict"])
             self._add("conflict_accuracy", float(pred == gold))
             for name, hit in (("tp", pred and gold), ("fp", pred and not gold), ("fn", gold and not pred)):
