@@ -198,9 +198,17 @@ def main(argv=None) -> dict[str, float]:
         prompts = json.loads(Path(args.prompts).read_text()) if args.prompts else None
     except (ValueError, ImportError, OSError) as err:
         sys.exit(f"mteb_eval: {err}")
+    tasks = mteb.get_tasks(tasks=names)
+    for task in tasks:  # the data before the (large) model: offline, a dataset missing from the cache stops here
+        try:
+            task.load_data()
+        except ConnectionError as err:
+            sys.exit(f"mteb_eval: {task.metadata.name}: {task.metadata.dataset['path']} is not in the local datasets "
+                     f"cache ({err}); download it once online (--online, same --cache-dir) or pass the --cache-dir "
+                     "that holds it")
     module = load_module(args.checkpoint, args.device, args.pooling)
     encoder = MtebEncoder(module, prompts, name=f"paperlab/{Path(args.checkpoint).resolve().name}")
-    result = mteb.evaluate(encoder, mteb.get_tasks(tasks=names), cache=None, overwrite_strategy="always",
+    result = mteb.evaluate(encoder, tasks, cache=None, overwrite_strategy="always",
                            encode_kwargs={"batch_size": args.batch_size})
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
