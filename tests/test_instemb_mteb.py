@@ -77,6 +77,20 @@ def test_followir_queries_keep_their_instruction_apart(module):
                        module.encode(TEXTS[3:], QUESTION).numpy(), atol=1e-6)
 
 
+def test_generic_task_instruction_as_mteb_picks(module, monkeypatch):
+    """A task without a prompt gets its task type's generic instruction from mteb, none when mteb is absent."""
+    meta = types.SimpleNamespace(name="SomeRetrieval", prompt=None)
+    monkeypatch.setitem(sys.modules, "mteb", None)
+    assert np.allclose(MtebEncoder(module).encode(TEXTS, task_metadata=meta), module.encode(TEXTS, "").numpy(), atol=1e-6)
+    asked = []
+    fake = types.SimpleNamespace(get_abstask_prompt=lambda name: asked.append(name) or "Retrieve text.")
+    for name, mod in [("mteb", types.ModuleType("mteb")), ("mteb.abstasks", types.ModuleType("mteb.abstasks")),
+                      ("mteb.abstasks.abstask", fake)]:
+        monkeypatch.setitem(sys.modules, name, mod)
+    got = MtebEncoder(module).encode(TEXTS, task_metadata=meta)
+    assert asked == ["SomeRetrieval"] and np.allclose(got, module.encode(TEXTS, "Retrieve text.").numpy(), atol=1e-6)
+
+
 def test_run_dir_round_trip(module, tiny_tokenizer, tmp_path):
     (tmp_path / ".hydra").mkdir()
     (tmp_path / "checkpoints").mkdir()

@@ -10,11 +10,13 @@
   FollowIR query with its instruction into ``text`` and keeps the parts as ``query`` / ``instruction``; InstEmb
   needs them apart (``### Input`` / ``### Instruction``), so rows that carry an ``instruction`` use it with their
   ``query``; other rows get the task's instruction (``prompts[task name]``, else the task metadata's ``prompt``,
-  per query / document when it is a dict, else none).
+  per query / document when it is a dict, else the task type's generic one, e.g. "Retrieve text based on user
+  query.", as mteb's ``AbsEncoder.get_instruction`` picks).
 - :func:`load_module` rebuilds the run's ``InstEmbModule`` from ``.hydra/config.yaml`` and loads
   ``checkpoints/last.ckpt`` (``weights_only=True``; a DeepSpeed checkpoint directory is first merged into one fp32
   state dict). The warm-up is not rebuilt: the checkpoint holds every weight.
-- mteb is the ``instemb`` extra, not a test dependency: only :func:`main` imports it.
+- mteb is the ``instemb`` extra, not a test dependency: it is imported only when used (:func:`main`, the model's
+  mteb metadata, the generic-instruction fallback).
 """
 from __future__ import annotations
 
@@ -60,22 +62,35 @@ class MtebEncoder:
         if task_metadata.name in self.prompts:
             return self.prompts[task_metadata.name]
         prompt = getattr(task_metadata, "prompt", None)
-        if isinstance(prompt, dict):
-            prompt = prompt.get(getattr(prompt_type, "value", prompt_type)) if prompt_type is not None else None
-        return prompt or ""
+        if isinstance(prompt, dict):  # per prompt type; none for a type it lacks (as mteb's AbsEncoder)
+            return prompt.get(getattr(prompt_type, "value", prompt_type), "") if prompt_type is not None else ""
+        if prompt:
+            return prompt
+        try:  # else the task type's generic instruction, as mteb's instruction models get
+            from mteb.abstasks.abstask import get_abstask_prompt
+        except ImportError:
+            return ""
+        return get_abstask_prompt(task_metadata.name)
 
     def encode(self, inputs: Iterable[Mapping[str, Any]] | Sequence[str], *, task_metadata=None, hf_split=None,
                hf_subset=None, prompt_type=None, batch_size: int = 32, **kwargs) -> np.ndarray:
-        default = self.task_instruction(task_metadata, prompt_type)
+        default = None  # the task's instruction, looked up once, when a row has none of its own
+
+        def task_default() -> str:
+            nonlocal default
+            if default is None:
+                default = self.task_instruction(task_metadata, prompt_type)
+            return default
+
         if isinstance(inputs, (list, tuple)) and all(isinstance(t, str) for t in inputs):
             inputs = [{"text": list(inputs[i:i + batch_size])} for i in range(0, len(inputs), batch_size)]
         out = []
         for batch in inputs:
             if batch.get("instruction") is not None and batch.get("query") is not None:
                 texts = list(batch["query"])
-                instructions = [q if q is not None else default for q in batch["instruction"]]
+                instructions = [q if q is not None else task_default() for q in batch["instruction"]]
             else:
-                texts, instructions = list(batch["text"]), [default] * len(batch["text"])
+                texts, instructions = list(batch["text"]), [task_default()] * len(batch["text"])
             out.append(self.module.encode(texts, instructions, pooling=self.pooling))
         if not out:
             return np.zeros((0, self.module.model.config.hidden_size), dtype=np.float32)
