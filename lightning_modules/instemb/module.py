@@ -137,7 +137,7 @@ class InstEmbModule(CausalLMModule):
         if self.tokenizer is None:
             from datamodules.common.tokenizer import load_tokenizer
 
-            self.tokenizer = load_tokenizer(pretrained=self.backbone_spec["pretrained"])
+            self.tokenizer = load_tokenizer(pretrained=self.backbone_spec.get("pretrained"))
         return self.tokenizer
 
     def build_model(self):
