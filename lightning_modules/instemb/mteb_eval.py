@@ -63,6 +63,7 @@ INBEDDER = {
     "NYTClustering": ("clustering", "What is the topic of this news article?"),
 }
 FIELDS = {"clustering": ("text", "label"), "sts": ("sentence1", "sentence2", "score")}
+METRIC = {"clustering": "v_measure", "sts": "cosine_spearman"}  # mteb's main scores of the two task types
 ALIASES["InBedder"] = list(INBEDDER)
 KMEANS_SEED = 42  # mteb's Evaluator default seed
 
@@ -255,7 +256,7 @@ def inbedder_mteb_task(name: str, data: Mapping[str, list], instruction: str):
         name=name, description=f"InBedder's {name}, from a local jsonl file", reference=None,
         dataset={"path": "local", "revision": "local"}, type="Clustering" if clustering else "STS",
         category="t2c" if clustering else "t2t", modalities=["text"], eval_splits=["test"], eval_langs=["eng-Latn"],
-        main_score="v_measure" if clustering else "cosine_spearman", prompt=instruction, date=None, domains=None,
+        main_score=METRIC[INBEDDER[name][0]], prompt=instruction, date=None, domains=None,
         task_subtypes=None, license=None, annotations_creators=None, dialect=None, sample_creation=None,
         bibtex_citation=None)
     if clustering:
@@ -362,8 +363,8 @@ def main(argv=None) -> dict[str, float]:
         for n, d in inbedder.items():
             summary[n] = score_inbedder(encoder, n, d, instruction[n], args.batch_size)
             kind = INBEDDER[n][0]
-            record = {"task_name": n, "main_score": summary[n], "instruction": instruction[n],
-                      "n": len(d[FIELDS[kind][0]]), "metric": "v_measure" if kind == "clustering" else "cosine_spearman"}
+            record = {"task_name": n, "main_score": summary[n], "metric": METRIC[kind], "instruction": instruction[n],
+                      "n": len(d[FIELDS[kind][0]])}
             (out / f"{n}.json").write_text(json.dumps(record, indent=2))
     (out / "summary.json").write_text(json.dumps({"checkpoint": str(args.checkpoint), "main_score": summary}, indent=2))
     for k, v in summary.items():
