@@ -2,6 +2,8 @@
 
     python -m lightning_modules.instemb.mteb_eval --checkpoint <run dir> --tasks FollowIR STSBenchmark \
         --output <dir> [--cache-dir <HF_HOME with the datasets>] [--batch-size 32] [--pooling daap] [--device cuda]
+    python -m lightning_modules.instemb.mteb_eval --checkpoint <run dir> --tasks InBedder --inbedder-dir <dir> \
+        --output <dir> [--prompts <{task: instruction} json>]
 
 - :class:`MtebEncoder` gives ``InstEmbModule.encode`` mteb 2.x's ``EncoderProtocol`` (read from mteb 2.26's
   ``mteb/models/models_protocols.py``): ``encode(inputs, *, task_metadata, hf_split, hf_subset, prompt_type=None,
@@ -19,7 +21,7 @@
   mteb metadata, the generic-instruction fallback).
 
 InBedder's instruction-awareness tests (IntentEmotion, InstructSTSB, NYTClustering; ``--tasks InBedder`` names all
-three) are read from local jsonl files, ``<--inbedder-dir>/<task>.jsonl``, one record a line:
+three, or name them one by one) are read from local jsonl files, ``<--inbedder-dir>/<task>.jsonl``, one record a line:
 
 - clustering (IntentEmotion, NYTClustering): ``{"text": ..., "label": ...}``; score: V-measure of k-means with
   k = the number of labels (mteb's clustering evaluator: ``MiniBatchKMeans``, batch 500, ``n_init="auto"``, seed 42);
@@ -30,7 +32,7 @@ These field names are ours: InBedder's own file layout is not in the spec. Conve
 ``jq -c '{text: .sentence, label: .emotion}' in.jsonl > IntentEmotion.jsonl``. Every text of a task is embedded
 with the task's one instruction: ``--prompts`` ({task: instruction}) or the default in :data:`INBEDDER` (also ours;
 pass the paper's wording through ``--prompts``). With mteb installed the files become mteb task objects
-(:func:`inbedder_mteb_task`) and go through ``mteb.evaluate`` with the other tasks; without it,
+(:func:`inbedder_mteb_task`: legacy clustering over one cluster set, STS) and go through ``mteb.evaluate`` with the other tasks; without it,
 :func:`score_inbedder` computes the same two metrics with scikit-learn / scipy, and ``--tasks InBedder`` needs no
 mteb at all.
 """
@@ -338,7 +340,7 @@ def main(argv=None) -> dict[str, float]:
     except (ValueError, ImportError, OSError) as err:
         sys.exit(f"mteb_eval: {err}")
     instruction = {n: prompts.get(n, INBEDDER[n][1]) for n in inbedder}
-    tasks = mteb.get_tasks(tasks=[n for n in names if n not in inbedder]) if len(inbedder) < len(names) else []
+    tasks = list(mteb.get_tasks(tasks=[n for n in names if n not in inbedder])) if len(inbedder) < len(names) else []
     for task in tasks:  # the data before the (large) model: offline, a dataset missing from the cache stops here
         try:
             task.load_data()
