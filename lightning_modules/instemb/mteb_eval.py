@@ -32,9 +32,9 @@ These field names are ours: InBedder's own file layout is not in the spec. Conve
 ``jq -c '{text: .sentence, label: .emotion}' in.jsonl > IntentEmotion.jsonl``. Every text of a task is embedded
 with the task's one instruction: ``--prompts`` ({task: instruction}) or the default in :data:`INBEDDER` (also ours;
 pass the paper's wording through ``--prompts``). With mteb installed the files become mteb task objects
-(:func:`inbedder_mteb_task`: legacy clustering over one cluster set, STS) and go through ``mteb.evaluate`` with the other tasks; without it,
-:func:`score_inbedder` computes the same two metrics with scikit-learn / scipy, and ``--tasks InBedder`` needs no
-mteb at all.
+(:func:`inbedder_mteb_task`: legacy clustering over one cluster set, STS) and go through ``mteb.evaluate`` with the
+other tasks; without it, :func:`score_inbedder` computes the same two metrics with scikit-learn / scipy, and
+``--tasks InBedder`` needs no mteb at all.
 """
 from __future__ import annotations
 
