@@ -17,7 +17,8 @@ Seeded from ``seed`` alone:
   ``held_out_relations`` relation (as pivot or as the other relation) is test-only and never reaches training.
 
 ``source: files`` replaces all of this with local jsonl + image files (E-VQA, InfoSeek, A-OKVQA, REAL-VQA; record
-format in ``datamodules.kivqa_files``) producing items with the same keys.
+format in ``datamodules.kivqa_files``) producing items with the same keys; ``inject: true`` builds REAL-VQA from them
+by this injection (one passage's pivot value replaced: ``true``; a non-pivot span: ``false``).
 """
 from __future__ import annotations
 
@@ -197,22 +198,25 @@ class KIVQADataModule(L.LightningDataModule):
     (test adds the held-out relations). Batches are lists of item dicts; the module tokenises them.
     ``source: files``: the items of ``<root>/<dataset>/{train,val,test}.jsonl`` for each of ``datasets`` instead
     (``n_*``, ``held_out_relations``, ``patch_shuffle_frac`` and the knowledge items are then unused; ``image_size``
-    resizes the file images)."""
+    resizes the file images; ``inject`` plants ``true`` / ``false`` conflicts into annotated clean records at
+    ``true_frac`` / ``false_frac``, building REAL-VQA: ``datamodules.kivqa_files.inject_conflicts``)."""
 
     def __init__(self, tokenizer, n_train: int = 1200, n_val: int = 48, n_test: int = 96, k: int = 3,
                  held_out_relations=("language", "era"), patch_shuffle_frac: float = 0.1, knowledge_fraction: float = 1.0,
                  knowledge_repeat: int = 2, val_fraction: float = 0.15, test_fraction: float = 0.15,
                  batch_size: int = 16, eval_batch_size: int = 16, seq_len: int = 256, seed: int = 0, kb_seed: int = 0,
                  num_workers: int = 0, source: str = "synthetic", root: str | None = None, datasets=(),
-                 image_size: int | None = None):
+                 image_size: int | None = None, inject: bool = False, true_frac: float = 1 / 3,
+                 false_frac: float = 1 / 3):
         super().__init__()
         if source not in SOURCES:
             raise ValueError(f"data.source={source!r}: choose one of {', '.join(SOURCES)}")
         self.source, self.root, self.datasets, self.image_size = source, root, tuple(datasets or ()), image_size
-        if source == "files":  # bad paths and records fail before the model is built
-            from datamodules.kivqa_files import load_splits
+        from datamodules.kivqa_files import check_inject, load_splits
 
-            self.file_splits = load_splits(root, self.datasets, k, image_size)
+        check_inject(inject, true_frac, false_frac, source)
+        if source == "files":  # bad paths and records fail before the model is built
+            self.file_splits = load_splits(root, self.datasets, k, image_size, inject, true_frac, false_frac, seed)
         check_fractions(val_fraction, test_fraction)
         unknown = sorted(set(held_out_relations) - set(RELATIONS))
         if unknown:

@@ -13,21 +13,33 @@ record per line:
 - Pivot annotations (optional, all or none; REAL-VQA-style items): ``entity`` (the image's entity, a node),
   ``relation`` (the pivot relation, an edge), ``conflict`` (bool: the passages disagree on a pivot); when
   ``conflict`` is true also ``pivot`` (the conflicting pivot's id) and ``values`` (the disagreeing values).
-  Optional with them: ``kind`` (``clean`` | ``true`` | ``false`` | ``patch_shuffle``; default ``true`` if
+  Optional with them: ``value`` (the pivot relation's value as the passages state it; default: ``answer``), ``kind`` (``clean`` | ``true`` | ``false`` | ``patch_shuffle``; default ``true`` if
   ``conflict`` else ``clean``) and ``held_out`` (bool: a relation kept out of training, scored as such).
 
 Annotated records become items with the synthetic KI-VQA's keys (``task: vqa``), so RPA-SFT trains their full
 pivot / conflict / answer target and the test loop scores the discriminator. Plain records (no pivot annotations)
 get ``task: answer`` (an answer-only target) and ``conflict: None`` (the test loop scores their answer only); their
 ``kind`` is the dataset name, so the test logs ``acc_<dataset>`` per benchmark.
-Conflict injection on file items (building REAL-VQA from annotated records) is not done here: the synthetic
-injection (``kivqa.make_item``) writes its passages from its own KB templates, so it does not apply to retrieved
-text; REAL-VQA records must carry their conflict labels and already-altered passages.
+
+**Building REAL-VQA** (unreleased; ``data.inject: true``, :func:`inject_conflicts`): the synthetic source's conflicts
+planted into clean annotated records. Their pivot triple is (``entity``, ``relation``, ``value``): ``value``
+(optional) is the relation's value as the passages state it, by default the ``answer`` (InfoSeek's Wikidata
+triples: subject, property, object). Per item, seeded by ``seed`` and its key: with probability ``true_frac`` a
+``true`` conflict (in one passage stating the value, every occurrence replaced by another value of the same
+relation drawn from other records: conflict yes, pivot = the relation, values = the two, sorted as the synthetic
+items have them), with ``false_frac`` a ``false`` one (one non-pivot span of one passage changed: another
+relation's value, as other records give it, becomes another value of that relation, else a number changes; the
+pivot stays: no conflict), else clean. Items without a triple, already labelled a conflict, or whose passages do not
+state the value verbatim stay as they are and are counted (logged per split).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import random
+import re
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +49,7 @@ REQUIRED = {"image": str, "question": str, "answer": str, "passages": list}
 PIVOT_FIELDS = ("entity", "relation", "conflict")
 KINDS = ("clean", "true", "false", "patch_shuffle")
 SPLITS = ("train", "val", "test")
+log = logging.getLogger(__name__)
 
 
 def parse_record(line: str, where: str, dataset: str, k: int) -> dict:
@@ -79,9 +92,12 @@ def parse_record(line: str, where: str, dataset: str, k: int) -> dict:
     values = rec.get("values", []) if rec["conflict"] else []
     if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
         raise ValueError(f"{where}: field 'values' must be a list of strings")
+    value = rec.get("value", rec["answer"])
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{where}: field 'value' must be a non-empty string (the pivot relation's value)")
     return {**item, "task": "vqa", "kind": kind, "entity": str(rec["entity"]), "relation": str(rec["relation"]),
             "conflict": rec["conflict"], "pivot": str(rec.get("pivot", "")) if rec["conflict"] else "",
-            "values": values}
+            "values": values, "value": value}
 
 
 def load_image(path: Path, image_size: int | None) -> np.ndarray:
@@ -125,8 +141,90 @@ class FileItems(Dataset):
         return {**item, "image": load_image(Path(item["image_path"]), self.image_size)}
 
 
-def load_splits(root: str | Path | None, datasets, k: int = 3, image_size: int | None = None) -> dict[str, FileItems]:
-    """{split: FileItems}; bad input (no root, an unknown dataset folder, no test file at all) fails here."""
+def _spans(value: str, text: str) -> list[tuple[int, int]]:
+    """Where ``value`` occurs in ``text`` as whole words (not inside a longer word or number)."""
+    return [m.span() for m in re.finditer(rf"(?<!\w){re.escape(value)}(?!\w)", text)]
+
+
+def _off_pivot_edits(text: str, value: str, relation: str, by_rel: dict[str, list[str]]):
+    """[(start, end, replacements)] for the non-pivot spans of ``text``: other relations' values (replaced by another
+    value of theirs), else numbers (replaced by a nearby one); none overlaps or creates the pivot value."""
+    pivot = _spans(value, text)
+    free = lambda a, b: not any(a < d and c < b for c, d in pivot)  # noqa: E731
+    ok = lambda w: not _spans(value, w)  # noqa: E731
+    edits = [(a, b, subs) for r, vals in sorted(by_rel.items()) if r != relation for v in vals if v != value
+             for a, b in _spans(v, text) if free(a, b) and (subs := [w for w in vals if w != v and ok(w)])]
+    if not edits:
+        edits = [(m.start(), m.end(), [w for d in range(1, 10) if ok(w := str(int(m.group()) + d))])
+                 for m in re.finditer(r"(?<!\w)\d+(?!\w)", text) if free(*m.span())]
+    return [e for e in edits if e[2]]
+
+
+def inject_conflicts(items: list[dict], seed: int = 0, true_frac: float = 1 / 3, false_frac: float = 1 / 3,
+                     pool: list[dict] | None = None) -> tuple[list[dict], Counter]:
+    """REAL-VQA by injection (see the module docstring): ``items`` with ``true`` / ``false`` conflicts planted into
+    the eligible ones, and the counts (``no_triple``, ``labelled``, ``no_value``, ``eligible``; ``true``, ``false``,
+    ``clean`` among the eligible; ``no_substitute`` / ``no_span`` when a drawn kind had nothing to change, left
+    clean). Substitute values come from ``pool`` (default ``items``); each item's draw depends on ``seed`` and its
+    key only, so it does not move when other records are added."""
+    by_rel: dict[str, set] = {}
+    for it in items if pool is None else pool:
+        if it.get("task") == "vqa":
+            by_rel.setdefault(it["relation"], set()).add(it["value"])
+    by_rel = {r: sorted(v) for r, v in by_rel.items()}
+    counts, out = Counter(), []
+    for it in items:
+        if it.get("task") != "vqa":
+            counts["no_triple"] += 1
+        elif it["kind"] != "clean" or it["conflict"]:
+            counts["labelled"] += 1
+        elif not any(_spans(it["value"], p) for p in it["passages"]):
+            counts["no_value"] += 1
+        else:
+            counts["eligible"] += 1
+            it = _inject_one(it, random.Random(f"{seed}|{it['key']}"), true_frac, false_frac, by_rel, counts)
+        out.append(it)
+    return out, counts
+
+
+def _inject_one(it: dict, rng: random.Random, true_frac: float, false_frac: float, by_rel, counts: Counter) -> dict:
+    u, value, rel, passages = rng.random(), it["value"], it["relation"], list(it["passages"])
+    if u < true_frac:
+        subs = [v for v in by_rel[rel] if v != value]
+        if not subs:
+            counts["no_substitute"] += 1
+        else:
+            new = rng.choice(subs)
+            j = rng.choice([i for i, p in enumerate(passages) if _spans(value, p)])
+            passages[j] = re.sub(rf"(?<!\w){re.escape(value)}(?!\w)", lambda _: new, passages[j])
+            counts["true"] += 1
+            return {**it, "passages": passages, "kind": "true", "conflict": True, "pivot": rel,
+                    "values": sorted({value, new})}
+    elif u < true_frac + false_frac:
+        edits = [(j, *e) for j, p in enumerate(passages) for e in _off_pivot_edits(p, value, rel, by_rel)]
+        if not edits:
+            counts["no_span"] += 1
+        else:
+            j, a, b, subs = rng.choice(edits)
+            passages[j] = passages[j][:a] + rng.choice(subs) + passages[j][b:]
+            counts["false"] += 1
+            return {**it, "passages": passages, "kind": "false"}
+    counts["clean"] += 1
+    return it
+
+
+def check_inject(inject: bool, true_frac: float, false_frac: float, source: str = "files") -> None:
+    if inject and source != "files":
+        raise ValueError(f"data.inject=true builds conflicts into file items: set data.source=files (not {source!r})")
+    if not (0 <= true_frac <= 1 and 0 <= false_frac <= 1 and true_frac + false_frac <= 1):
+        raise ValueError(f"data.true_frac={true_frac}, data.false_frac={false_frac}: each in [0, 1], their sum <= 1")
+
+
+def load_splits(root: str | Path | None, datasets, k: int = 3, image_size: int | None = None, inject: bool = False,
+                true_frac: float = 1 / 3, false_frac: float = 1 / 3, seed: int = 0) -> dict[str, FileItems]:
+    """{split: FileItems}, with conflicts injected when ``inject`` (:func:`inject_conflicts`; substitutes drawn from
+    all splits' records); bad input (no root, an unknown dataset folder, no test file at all) fails here."""
+    check_inject(inject, true_frac, false_frac)
     if not root:
         raise ValueError("data.source=files needs data.root (by default ${local.data_root}/real_vqa): set "
                          "local.data_root or data.root")
@@ -141,4 +239,10 @@ def load_splits(root: str | Path | None, datasets, k: int = 3, image_size: int |
     for s in ("train", "test"):
         if not len(out[s]):
             raise ValueError(f"data.source=files: no {s} items in {', '.join(map(str, out[s].files))}")
+    if inject:
+        pool = [it for s in SPLITS for it in out[s].items]
+        for s in SPLITS:
+            out[s].items, counts = inject_conflicts(out[s].items, seed, true_frac, false_frac, pool)
+            log.info("data.inject %s: %d of %d items eligible (%s)", s, counts["eligible"], len(out[s]),
+                     ", ".join(f"{n} {c}" for c, n in sorted(counts.items())))
     return out
