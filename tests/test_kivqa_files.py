@@ -114,3 +114,118 @@ def test_real_vqa_tiny_runs_on_files(data_root, tmp_path):
     # discriminator is scored on these two only)
     assert {"acc_evqa", "acc_aokvqa", "acc_clean", "acc_true", "conflict_accuracy", "conflict_f1"} <= set(test)
     assert (5 * test["answer_accuracy"]).is_integer() and (2 * test["conflict_accuracy"]).is_integer()
+
+
+# --- REAL-VQA by injection (data.inject) ---------------------------------------------------------------------------
+COUNTRIES, LANGS = ("Japan", "Peru", "Chile", "Italy"), ("Latin", "Malay", "Welsh")
+
+
+def triple_records():
+    """Annotated clean records (pivot triple entity / relation / value = answer) plus three ineligible ones."""
+    recs = []
+    for i, c in enumerate(COUNTRIES * 2):
+        e, lang = f"Mount M{i}", LANGS[i % 3]
+        recs.append({"image": "img/red.png", "question": f"Which country is {e} in?", "answer": c,
+                     "passages": [f"{e} lies in {c}; people there speak {lang}.", f"{e} is {3000 + i} m high.",
+                                  f"Most visitors of {e} are Japanese; it is a {c} landmark."],
+                     "entity": e, "relation": "country", "conflict": False})
+    for i, lang in enumerate(LANGS):
+        recs.append({"image": "img/blue.png", "question": f"What do people speak in town T{i}?", "answer": lang,
+                     "passages": [f"In T{i} people speak {lang}."], "entity": f"T{i}", "relation": "language",
+                     "conflict": False})
+    recs.append(plain(9))  # no triple
+    recs.append({**triple_records_base(), "value": "Kenya"})  # the value is stated nowhere
+    recs.append(annotated(True))  # already a labelled conflict
+    return recs
+
+
+def triple_records_base():
+    return {**annotated(False), "question": "Which country hosts the mountain?"}
+
+
+def items_of(records):
+    from datamodules.kivqa_files import parse_record
+
+    return [parse_record(json.dumps(r), f"t:{n}", "realvqa", 3) for n, r in enumerate(records)]
+
+
+def changed(old, new):
+    """The indices of the passages that differ."""
+    return [i for i, (a, b) in enumerate(zip(old, new)) if a != b]
+
+
+def test_injection_true_on_the_pivot_false_off_it_ineligible_clean():
+    import re
+
+    from datamodules.kivqa_files import _spans, inject_conflicts
+    from lightning_modules.real_vqa.target import format_target, parse_output
+
+    items = items_of(triple_records())
+    pool = {"country": {*COUNTRIES, "Kenya"}, "language": set(LANGS)}  # every record's value of the relation
+    seen = {"true": 0, "false": 0, "clean": 0}
+    for seed in range(8):
+        out, counts = inject_conflicts(items, seed, true_frac=0.4, false_frac=0.4)
+        assert (counts["eligible"], counts["no_triple"], counts["no_value"], counts["labelled"]) == (11, 1, 1, 1)
+        assert counts["true"] + counts["false"] + counts["clean"] == 11
+        assert out[-3:] == items[-3:]  # ineligible items untouched
+        for old, new in zip(items[:11], out[:11]):
+            assert set(new) == set(old) and new["answer"] == old["answer"]  # the same keys, the gold unchanged
+            seen[new["kind"]] += 1
+            if new["kind"] == "clean":
+                assert new == old
+                continue
+            (j,) = changed(old["passages"], new["passages"])  # exactly one passage altered
+            v, a, b = old["value"], old["passages"][j], new["passages"][j]
+            if new["kind"] == "true":
+                (sub,) = set(new["values"]) - {v}
+                assert sub in pool[old["relation"]] and new["values"] == sorted([v, sub])
+                assert (new["conflict"], new["pivot"]) == (True, old["relation"])
+                assert re.sub(rf"(?<!\w){v}(?!\w)", sub, a) == b and not _spans(v, b)  # only the pivot value moved
+                parsed = parse_output(format_target(new, "rpa"))  # the RPA target round-trips
+                assert (parsed["conflict"], parsed["pivot"], parsed["values"], parsed["answer"], parsed["malformed"]) \
+                    == (True, old["relation"], new["values"], old["answer"], False)
+                assert parsed["pivots"] == f"{old['entity']}; {old['relation']}"
+            else:
+                assert (new["conflict"], new["pivot"], new["values"]) == (False, "", [])
+                lo = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)  # the edited region of the passage
+                hi = len(a) - next(i for i, (x, y) in enumerate(zip(a[::-1], b[::-1])) if x != y)
+                assert all(e <= lo or s >= hi for s, e in _spans(v, a))  # the pivot value untouched
+                assert len(_spans(v, a)) == len(_spans(v, b))
+                parsed = parse_output(format_target(new, "rpa"))
+                assert (parsed["conflict"], parsed["values"], parsed["answer"]) == (False, [], old["answer"])
+    assert min(seen.values()) > 5  # every kind drawn
+    # "Japanese" is not "Japan": a whole-word match only, so the third passage never counts as stating the pivot
+    assert not _spans("Japan", "Most visitors are Japanese.")
+
+
+def test_injection_is_seeded_and_per_item():
+    from datamodules.kivqa_files import inject_conflicts
+
+    items = items_of(triple_records())
+    a, _ = inject_conflicts(items, 3)
+    assert a == inject_conflicts(items, 3)[0]
+    assert a != inject_conflicts(items, 4)[0]
+    assert inject_conflicts(items[::-1], 3)[0] == a[::-1]  # an item's draw depends on the seed and its key only
+    assert inject_conflicts(items, 3, 0.0, 0.0)[0] == items
+    every, counts = inject_conflicts(items, 3, 1.0, 0.0)
+    assert counts["true"] == 11 and all(o["kind"] == "true" for o in every[:11])
+
+
+def test_inject_switch_through_the_datamodule(tmp_path, caplog):
+    import logging
+
+    root = tmp_path / "real_vqa"
+    for split in ("train", "val", "test"):
+        write(root, "realvqa", split, triple_records())
+    with caplog.at_level(logging.INFO, logger="datamodules.kivqa_files"):
+        dm = KIVQADataModule(None, source="files", root=str(root), datasets=["realvqa"], inject=True, true_frac=1.0,
+                             false_frac=0.0, seed=1)
+    assert "data.inject test: 11 of 14 items eligible" in caplog.text
+    assert [it["kind"] for it in dm.file_splits["test"].items][:11] == ["true"] * 11
+    off = KIVQADataModule(None, source="files", root=str(root), datasets=["realvqa"])
+    assert {it["kind"] for it in off.file_splits["test"].items[:11]} == {"clean"}
+    with pytest.raises(ValueError, match="data.inject=true .* set data.source=files"):
+        KIVQADataModule(None, inject=True)
+    with pytest.raises(ValueError, match="their sum <= 1"):
+        KIVQADataModule(None, source="files", root=str(root), datasets=["realvqa"], inject=True, true_frac=0.7,
+                        false_frac=0.5)
