@@ -13,8 +13,9 @@ record per line:
 - Pivot annotations (optional, all or none; REAL-VQA-style items): ``entity`` (the image's entity, a node),
   ``relation`` (the pivot relation, an edge), ``conflict`` (bool: the passages disagree on a pivot); when
   ``conflict`` is true also ``pivot`` (the conflicting pivot's id) and ``values`` (the disagreeing values).
-  Optional with them: ``value`` (the pivot relation's value as the passages state it; default: ``answer``), ``kind`` (``clean`` | ``true`` | ``false`` | ``patch_shuffle``; default ``true`` if
-  ``conflict`` else ``clean``) and ``held_out`` (bool: a relation kept out of training, scored as such).
+  Optional with them: ``value`` (the pivot relation's value as the passages state it; default: ``answer``),
+  ``kind`` (``clean`` | ``true`` | ``false`` | ``patch_shuffle``; default ``true`` if ``conflict`` else ``clean``)
+  and ``held_out`` (bool: a relation kept out of training, scored as such).
 
 Annotated records become items with the synthetic KI-VQA's keys (``task: vqa``), so RPA-SFT trains their full
 pivot / conflict / answer target and the test loop scores the discriminator. Plain records (no pivot annotations)
@@ -190,7 +191,7 @@ def inject_conflicts(items: list[dict], seed: int = 0, true_frac: float = 1 / 3,
 def _inject_one(it: dict, rng: random.Random, true_frac: float, false_frac: float, by_rel, counts: Counter) -> dict:
     u, value, rel, passages = rng.random(), it["value"], it["relation"], list(it["passages"])
     if u < true_frac:
-        subs = [v for v in by_rel[rel] if v != value]
+        subs = [v for v in by_rel[rel] if not _spans(value, v)]  # a substitute never restates the value
         if not subs:
             counts["no_substitute"] += 1
         else:
@@ -199,7 +200,7 @@ def _inject_one(it: dict, rng: random.Random, true_frac: float, false_frac: floa
             passages[j] = re.sub(rf"(?<!\w){re.escape(value)}(?!\w)", lambda _: new, passages[j])
             counts["true"] += 1
             return {**it, "passages": passages, "kind": "true", "conflict": True, "pivot": rel,
-                    "values": sorted({value, new})}
+                    "values": sorted([value, new])}
     elif u < true_frac + false_frac:
         edits = [(j, *e) for j, p in enumerate(passages) for e in _off_pivot_edits(p, value, rel, by_rel)]
         if not edits:
@@ -214,6 +215,7 @@ def _inject_one(it: dict, rng: random.Random, true_frac: float, false_frac: floa
 
 
 def check_inject(inject: bool, true_frac: float, false_frac: float, source: str = "files") -> None:
+    """The injection switches, checked before any file is read."""
     if inject and source != "files":
         raise ValueError(f"data.inject=true builds conflicts into file items: set data.source=files (not {source!r})")
     if not (0 <= true_frac <= 1 and 0 <= false_frac <= 1 and true_frac + false_frac <= 1):
