@@ -98,7 +98,7 @@ def claims(result, argv):
     period = drop["base_period"]
     share = base.get("mask_grad_share", {}).get(str(kmax))
     found.append(Claim(
-        "masks_distract", "these masks act as distractors",
+        "masks_distract", "act as distractors",
         f"accuracy drop (pp) from k = {k0} to {kmax} with masks minus with ' .' fillers", tax - period,
         "> 0 (masks cost more than the same number of ' .' tokens; paper ~23 vs ~3 pp)",
         verdict_at_least(tax - period, 0.0, strict=True),
