@@ -59,9 +59,13 @@ def fit_all(df: pd.DataFrame, laws=LAWS, holdout=HOLDOUT) -> dict:
         except ValueError as err:
             out[name] = {"error": str(err)}
         f = out[name]
-        print(f"{name:>12}: " + (f"held-out mean {100 * f['heldout_rel_err']:.3f}% max {100 * f['heldout_max_rel_err']:.3f}% "
-                                 f"({len(f['heldout'])} cells), fit mean {100 * f['fit_rel_err']:.3f}%"
-                                 if "error" not in f else f["error"]))
+        if "error" in f:
+            print(f"{name:>12}: {f['error']}")
+        elif f["heldout_rel_err"] is None:  # a grid without the held-out cells (e.g. --run's mini-grid)
+            print(f"{name:>12}: no held-out cells ({holdout}); fit mean {100 * f['fit_rel_err']:.3f}%")
+        else:
+            print(f"{name:>12}: held-out mean {100 * f['heldout_rel_err']:.3f}% max {100 * f['heldout_max_rel_err']:.3f}% "
+                  f"({len(f['heldout'])} cells), fit mean {100 * f['fit_rel_err']:.3f}%")
     return out
 
 
@@ -158,7 +162,8 @@ QUOTES = {
 
 
 def _errors(fits: dict) -> dict:
-    return {k: (f["heldout_rel_err"], f["heldout_max_rel_err"]) for k, f in fits.items() if "error" not in f}
+    return {k: (f["heldout_rel_err"], f["heldout_max_rel_err"]) for k, f in fits.items()
+            if "error" not in f and f["heldout_rel_err"] is not None}
 
 
 def claims(res, argv):
