@@ -539,7 +539,7 @@ def main(argv=None) -> int:
         table = table[table[col].astype(str) == val]
     for f in failures:
         print(f"excluded failed job {f['dir']}: {f['status'][:200]}")
-    if get_law(args.law).counts:  # accuracy laws on count rows (error_law): their own report
+    if getattr(LAWS.get(args.law), "counts", ()):  # accuracy laws on count rows (error_law): their own report
         return error_main(args, table, failures)
     if args.law == "qat_delta":
         report = qat_report(table, args.huber_delta, args.bootstrap, args.by, args.level)
