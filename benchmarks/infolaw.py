@@ -178,6 +178,8 @@ def claims(res, argv):
         eta = part and part.get("eta")
         if eta:
             v = "held" if eta["lo"] > 0 else "not_held" if eta["hi"] < 0 else "inconclusive"
+            if eta["hi"] - eta["lo"] <= 1e-9 * max(1.0, abs(eta["estimate"])):
+                v = "inconclusive"  # every resample lands on the same η: the fit is pinned, not measured
             out.append(Claim(f"{where}_eta", QUOTES["model"], f"η of R*(N) = R₀(N/N₀)^−η ({where} grid), "
                              f"{100 * eta['level']:.0f}% case-bootstrap interval", eta["estimate"],
                              "> 0 (larger models exhaust repeats sooner)" + (" [planted: 0.5]" if where == "planted" else ""),
