@@ -187,7 +187,7 @@ def claims(res, argv):
                              eta["se"]))
     meas = res["measured"]
     if meas is None:
-        why = "no tiny-sweep table: run conf/sweep/infolaw_tiny.yaml (about an hour) or python -m benchmarks.infolaw --run"
+        why = "no tiny-sweep table: run conf/sweep/infolaw_tiny.yaml (about 10 minutes) or python -m benchmarks.infolaw --run"
         for cid in ("repetition", "baselines", "error", "recipe"):
             out.append(Claim(f"tiny_{cid}", QUOTES[cid], "needs the tiny sweep's measured losses", None,
                              "see benchmarks/infolaw.py", "not_measurable_here", why))
