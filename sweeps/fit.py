@@ -560,19 +560,14 @@ def main(argv=None) -> int:
     text = markdown(report)
     print(text)
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        table.to_csv(out.with_name(out.name + ".csv"), index=False)
-        out.with_name(out.name + "_fit.json").write_text(json.dumps(report, indent=2, default=float))
-        out.with_name(out.name + "_fit.md").write_text(text)
         from sweeps.plot import plot_mixture, plot_report
 
+        png = write_outputs(args.out, table, report, text)
         if args.law in DATA_LAWS:
-            plot_mixture(table, law, report["fits"][args.law]["theta"], out.with_name(out.name + ".png"),
-                         law.buckets[0], loggers=loggers)
+            plot_mixture(table, law, report["fits"][args.law]["theta"], png, law.buckets[0], loggers=loggers)
         else:
-            plot_report(table, report, out.with_name(out.name + ".png"), loggers=loggers)
-        print(f"wrote {out}.csv, {out}_fit.json, {out}_fit.md, {out}.png")
+            plot_report(table, report, png, loggers=loggers)
+        print(f"wrote {args.out}.csv, {args.out}_fit.json, {args.out}_fit.md, {png}")
     if loggers:
         import wandb
 
@@ -585,6 +580,16 @@ def main(argv=None) -> int:
     return 0
 
 
+def write_outputs(out: str | Path, table: pd.DataFrame, report: dict, text: str) -> Path:
+    """``<out>.csv`` (the table), ``<out>_fit.json`` and ``<out>_fit.md`` (the report); the path for the plot."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out.with_name(out.name + ".csv"), index=False)
+    out.with_name(out.name + "_fit.json").write_text(json.dumps(report, indent=2, default=float))
+    out.with_name(out.name + "_fit.md").write_text(text)
+    return out.with_name(out.name + ".png")
+
+
 def error_main(args, table: pd.DataFrame, failures: list[dict]) -> int:
     """``--law error_gamma`` (or any count law): that law and the other accuracy laws per (model, task, format)."""
     by = tuple(c for c in ("model", "task", "format") if c in table and table[c].nunique(dropna=False) > 1) or ("task", "format")
@@ -593,15 +598,11 @@ def error_main(args, table: pd.DataFrame, failures: list[dict]) -> int:
     text = error_markdown(report)
     print(text)
     if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        table.to_csv(out.with_name(out.name + ".csv"), index=False)
-        out.with_name(out.name + "_fit.json").write_text(json.dumps(report, indent=2, default=float))
-        out.with_name(out.name + "_fit.md").write_text(text)
         from sweeps.plot import plot_accuracy
 
-        plot_accuracy(report, out.with_name(out.name + ".png"), law=args.law)
-        print(f"wrote {out}.csv, {out}_fit.json, {out}_fit.md, {out}.png")
+        png = write_outputs(args.out, table, report, text)
+        plot_accuracy(report, png, law=args.law)
+        print(f"wrote {args.out}.csv, {args.out}_fit.json, {args.out}_fit.md, {png}")
     return 0
 
 
