@@ -31,7 +31,9 @@ relation drawn from other records: conflict yes, pivot = the relation, values = 
 items have them), with ``false_frac`` a ``false`` one (one non-pivot span of one passage changed: another
 relation's value, as other records give it, becomes another value of that relation, else a number changes; the
 pivot stays: no conflict), else clean. Items without a triple, already labelled a conflict, or whose passages do not
-state the value verbatim stay as they are and are counted (logged per split).
+state the value verbatim stay as they are and are counted (logged per split). Records without a triple (E-VQA,
+A-OKVQA) get one from an annotator model first when ``data.annotator`` is set (:func:`annotate_pivots`: a judge with
+the ``pivot`` rubric; its replies are cached in ``data.annotation_cache``).
 """
 from __future__ import annotations
 
@@ -214,6 +216,63 @@ def _inject_one(it: dict, rng: random.Random, true_frac: float, false_frac: floa
     return it
 
 
+def annotate_pivots(items: list[dict], annotator, cache: str | Path | None = None) -> tuple[list[dict], Counter]:
+    """Pivot triples from an annotator model for the records that have none (E-VQA, A-OKVQA: no Wikidata triple).
+
+    ``annotator`` is a judge with the ``pivot`` rubric (``lightning_modules.common.judge``: ``EndpointJudge`` or
+    ``HFLocalJudge``, ``rubric: pivot``), graded on (question + passages, gold answer). A reply becomes the item's
+    (``entity``, ``relation``, ``value``), a clean annotated item (``task: vqa``, ``conflict: false``, kind ``clean``,
+    its dataset kept), only when the value occurs verbatim in one of its passages (else ``no_value``: the injection
+    needs a span to change, and a value no passage states is not a pivot the evidence supplies). Replies are kept
+    in ``cache`` (a jsonl of ``{key, entity, relation, value}``, appended as they come: an interrupted run resumes)
+    and reused by item key; failed grades (an endpoint error, an unreadable reply) are not cached, counted
+    ``failed`` and retried on the next load. Counts: ``annotated``, ``cached``, ``no_value``, ``failed``."""
+    from lightning_modules.common.judge import pivot_prompt
+
+    cache = Path(cache) if cache else None
+    done: dict[str, dict] = {}
+    if cache is not None and cache.is_file():
+        for n, line in enumerate(cache.read_text(encoding="utf-8").splitlines(), 1):
+            try:
+                rec = json.loads(line)
+                done[rec["key"]] = rec
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"{cache}:{n}: not a pivot annotation (a JSON object with key, entity, relation, "
+                                 "value); delete the line or the file to annotate again") from None
+    todo = [it for it in items if it.get("task") == "answer"]
+    counts, out = Counter(), []
+    from rich.progress import track
+
+    replies = {}
+    for it in track(todo, description="annotating pivots", disable=not todo or all(i["key"] in done for i in todo)):
+        if it["key"] in done:
+            counts["cached"] += 1
+            replies[it["key"]] = done[it["key"]]
+            continue
+        g = annotator.grade(pivot_prompt(it["question"], it["passages"]), it["answer"])
+        if g.get("failed"):
+            counts["failed"] += 1
+            continue
+        rec = {"key": it["key"], **{f: g.get(f) for f in ("entity", "relation", "value")}}
+        replies[it["key"]] = rec
+        if cache is not None:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            with open(cache, "a", encoding="utf-8") as f:
+                f.write(json.dumps(rec) + "\n")
+    for it in items:
+        rec = replies.get(it["key"]) if it.get("task") == "answer" else None
+        if rec is not None:
+            value = rec.get("value")
+            if not value or not any(_spans(value, p) for p in it["passages"]):
+                counts["no_value"] += 1
+            else:
+                counts["annotated"] += 1
+                it = {**it, "task": "vqa", "kind": "clean", "entity": rec["entity"], "relation": rec["relation"],
+                      "conflict": False, "pivot": "", "values": [], "value": value}
+        out.append(it)
+    return out, counts
+
+
 def check_inject(inject: bool, true_frac: float, false_frac: float, source: str = "files") -> None:
     """The injection switches, checked before any file is read."""
     if inject and source != "files":
@@ -223,9 +282,12 @@ def check_inject(inject: bool, true_frac: float, false_frac: float, source: str 
 
 
 def load_splits(root: str | Path | None, datasets, k: int = 3, image_size: int | None = None, inject: bool = False,
-                true_frac: float = 1 / 3, false_frac: float = 1 / 3, seed: int = 0) -> dict[str, FileItems]:
-    """{split: FileItems}, with conflicts injected when ``inject`` (:func:`inject_conflicts`; substitutes drawn from
-    all splits' records); bad input (no root, an unknown dataset folder, no test file at all) fails here."""
+                true_frac: float = 1 / 3, false_frac: float = 1 / 3, seed: int = 0, annotator=None,
+                annotation_cache: str | Path | None = None) -> dict[str, FileItems]:
+    """{split: FileItems}: records without a pivot triple annotated by ``annotator`` when one is given
+    (:func:`annotate_pivots`, replies kept in ``annotation_cache``), then conflicts injected when ``inject``
+    (:func:`inject_conflicts`; substitutes drawn from all splits' records); bad input (no root, an unknown dataset
+    folder, no test file at all) fails here."""
     check_inject(inject, true_frac, false_frac)
     if not root:
         raise ValueError("data.source=files needs data.root (by default ${local.data_root}/real_vqa): set "
@@ -241,6 +303,10 @@ def load_splits(root: str | Path | None, datasets, k: int = 3, image_size: int |
     for s in ("train", "test"):
         if not len(out[s]):
             raise ValueError(f"data.source=files: no {s} items in {', '.join(map(str, out[s].files))}")
+    if annotator is not None:
+        for s in SPLITS:
+            out[s].items, counts = annotate_pivots(out[s].items, annotator, annotation_cache)
+            log.info("data.annotator %s: %s", s, ", ".join(f"{n} {c}" for c, n in sorted(counts.items())) or "nothing to do")
     if inject:
         pool = [it for s in SPLITS for it in out[s].items]
         for s in SPLITS:

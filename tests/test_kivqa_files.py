@@ -112,7 +112,8 @@ def test_real_vqa_tiny_runs_on_files(data_root, tmp_path):
     assert value == pytest.approx(test["answer_accuracy"])
     # 5 test items: 2 plain E-VQA + 1 A-OKVQA (answer only: acc_evqa, acc_aokvqa) and 2 annotated InfoSeek (the
     # discriminator is scored on these two only)
-    assert {"acc_evqa", "acc_aokvqa", "acc_clean", "acc_true", "conflict_accuracy", "conflict_f1"} <= set(test)
+    assert {"acc_evqa", "acc_aokvqa", "acc_infoseek", "acc_clean", "acc_true", "conflict_accuracy",
+            "conflict_f1"} <= set(test)
     assert (5 * test["answer_accuracy"]).is_integer() and (2 * test["conflict_accuracy"]).is_integer()
 
 
@@ -229,3 +230,96 @@ def test_inject_switch_through_the_datamodule(tmp_path, caplog):
     with pytest.raises(ValueError, match="their sum <= 1"):
         KIVQADataModule(None, source="files", root=str(root), datasets=["realvqa"], inject=True, true_frac=0.7,
                         false_frac=0.5)
+
+
+# --- pivots from an annotator model (data.annotator) ---------------------------------------------------------------
+class FakeEndpoint:
+    """Stands in for the endpoint client behind EndpointJudge: replies by the question it sees, counts calls."""
+
+    def __init__(self, replies):
+        self.replies, self.calls = replies, []
+
+    def chat(self, text):
+        q = next(line for line in text.splitlines() if line.startswith("Question: "))[len("Question: "):]
+        self.calls.append(q)
+        if q not in self.replies:
+            from lightning_modules.common.endpoint import EndpointError
+
+            raise EndpointError("503 after retries")
+        return self.replies[q]
+
+
+def annotator(replies):
+    from lightning_modules.common.judge import EndpointJudge
+
+    judge = EndpointJudge(endpoint={"url": "http://unused", "model": "m"}, rubric="pivot")
+    judge._client = FakeEndpoint(replies)
+    return judge
+
+
+def test_parse_pivot_reads_json_in_prose_and_flags_the_rest():
+    from lightning_modules.common.judge import parse_pivot, pivot_prompt
+
+    got = parse_pivot('Sure.\n```json\n{"entity": "Mount Fuji", "relation": "Country", "value": "Japan"}\n```')
+    assert got == {"entity": "Mount Fuji", "relation": "country", "value": "Japan", "failed": False}
+    assert parse_pivot('{"entity": "Fuji", "relation": "country", "value": null}')["value"] is None
+    assert not parse_pivot('{"entity": "Fuji", "relation": "country", "value": null}')["failed"]
+    for bad in ("no json here", '{"entity": "Fuji", "value": "Japan"}', '{"entity": "", "relation": "c", "value": "J"}'):
+        assert parse_pivot(bad)["failed"], bad
+    assert pivot_prompt("Where?", ["a.", "b."]) == "Question: Where?\nPassage 1: a.\nPassage 2: b."
+
+
+def test_annotator_gives_plain_records_a_verified_pivot_cached_and_resumable(tmp_path):
+    from datamodules.kivqa_files import annotate_pivots
+
+    P0 = ["Mount M0 lies in Peru.", "It is 3000 m high."]
+    recs = [{**plain(0), "passages": P0, "answer": "Peru"},  # annotated: the value is stated in a passage
+            {**plain(1), "passages": P0, "answer": "Chile"},  # the annotator's value appears nowhere: not a pivot
+            {**plain(2), "passages": P0},  # the endpoint fails: not cached, retried next time
+            {**plain(3), "passages": P0, "answer": "Peru"},  # the annotator finds no stating passage (null)
+            triple_records_base()]  # already annotated: never sent
+    items = items_of(recs)
+    reply = lambda e, r, v: json.dumps({"entity": e, "relation": r, "value": v})  # noqa: E731
+    replies = {"Where is mountain 0?": reply("Mount M0", "country", "Peru"),
+               "Where is mountain 1?": reply("Mount M0", "country", "Chile"),
+               "Where is mountain 3?": reply("Mount M0", "country", None)}
+    judge, cache = annotator(replies), tmp_path / "pivots.jsonl"
+    out, counts = annotate_pivots(items, judge, cache)
+    assert dict(counts) == {"annotated": 1, "no_value": 2, "failed": 1}
+    assert judge._client.calls == [f"Where is mountain {i}?" for i in range(4)]
+    a = out[0]
+    assert (a["task"], a["kind"], a["dataset"], a["conflict"]) == ("vqa", "clean", "realvqa", False)
+    assert (a["entity"], a["relation"], a["value"], a["pivot"], a["values"]) == ("Mount M0", "country", "Peru", "", [])
+    assert out[1:4] == items[1:4] and out[4] == items[4]
+    assert [json.loads(line)["key"] for line in cache.read_text().splitlines()] == \
+        [items[i]["key"] for i in (0, 1, 3)]
+    # a second load sends only the failed record; the cached replies give the same items
+    judge2 = annotator({**replies, "Where is mountain 2?": reply("Mount M2", "country", "Japan")})
+    out2, counts2 = annotate_pivots(items, judge2, cache)
+    assert judge2._client.calls == ["Where is mountain 2?"]
+    assert (counts2["cached"], counts2["annotated"], counts2["no_value"]) == (3, 1, 3)  # "Japan" is in no passage
+    assert out2[0] == a
+    # an annotated record is then eligible for the REAL-VQA injection like a Wikidata triple
+    from datamodules.kivqa_files import inject_conflicts
+
+    pool = items_of(triple_records())
+    planted, c = inject_conflicts([a], seed=0, true_frac=1.0, false_frac=0.0, pool=pool + [a])
+    assert c["true"] == 1 and planted[0]["conflict"] and "Peru" in planted[0]["values"]
+    cache.write_text(cache.read_text() + "not json\n")
+    with pytest.raises(ValueError, match=r"pivots.jsonl:5: not a pivot annotation"):
+        annotate_pivots(items, judge2, cache)
+
+
+def test_annotator_through_the_datamodule(tmp_path):
+    root = tmp_path / "real_vqa"
+    rec = {**plain(0), "passages": ["Mount M0 lies in Peru."], "answer": "Peru"}
+    for split in ("train", "val", "test"):
+        write(root, "evqa", split, [rec])
+    judge = annotator({"Where is mountain 0?": json.dumps({"entity": "M0", "relation": "country", "value": "Peru"})})
+    dm = KIVQADataModule(None, source="files", root=str(root), datasets=["evqa"], annotator=judge,
+                         annotation_cache=str(root / "pivots.jsonl"))
+    (it,) = dm.file_splits["test"].items
+    assert (it["task"], it["relation"], it["value"], it["dataset"]) == ("vqa", "country", "Peru", "evqa")
+    assert len(judge._client.calls) == 1  # one record, three splits: the same key is asked once
+    with pytest.raises(ValueError, match="data.annotator .* set data.source=files"):
+        KIVQADataModule(None, annotator=judge)

@@ -3,8 +3,9 @@ and a 2-layer Llama on tiny-lm's tokenizer) and its ``LlavaProcessor``, saved to
 paper-scale configs load Qwen2-VL / LLaVA (``build_backbone`` with ``kind: image_text_to_text`` + ``AutoProcessor``).
 
 Qwen2-VL: ``Qwen2VLProcessor`` cannot be built here (transformers requires its video processor, which needs
-torchvision, not installed), so its adapter test feeds the model hand-expanded ids and ``Qwen2VLImageProcessor``'s
-tensors; it checks the adapter against the raw model and cached contrastive decoding (M-RoPE offsets per cache).
+torchvision, not installed: its PyPI wheel needs a CUDA torch), so its adapter test feeds the model hand-expanded
+ids and ``Qwen2VLImageProcessor``'s tensors; it checks the adapter against the raw model and cached contrastive
+decoding (M-RoPE offsets per cache).
 """
 from __future__ import annotations
 
@@ -182,6 +183,29 @@ def test_hub_bad_input():
         build_hub_vlm({"family": "llava", "kind": "image_text_to_text", "pretrained": None})
     with pytest.raises(ValueError, match="kind: image_text_to_text"):
         REALModule({"family": "llama", "pretrained": "tiny-lm"}, vision=None).setup("fit")
+
+
+def test_hub_processor_without_torchvision_says_what_to_install(tiny_llava, monkeypatch):
+    """Qwen2-VL's AutoProcessor raises transformers' torchvision ImportError on a machine without it (this one):
+    the error names the install and the CPU index; other import errors pass through unchanged."""
+    import transformers
+
+    from lightning_modules.common.vlm import build_hub_vlm
+
+    spec = {"family": "llava", "kind": "image_text_to_text", "pretrained": str(tiny_llava)}
+
+    def fails(msg):
+        def from_pretrained(*a, **k):
+            raise ImportError(msg)
+        return from_pretrained
+
+    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained",
+                        fails("Qwen2VLVideoProcessor requires the Torchvision library but it was not found"))
+    with pytest.raises(ImportError, match=r"needs torchvision.*download.pytorch.org/whl/cpu"):
+        build_hub_vlm(spec)
+    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", fails("no module named foo"))
+    with pytest.raises(ImportError, match="^no module named foo$"):
+        build_hub_vlm(spec)
 
 
 def test_real_vqa_llava_experiment_runs_on_a_tiny_saved_llava(tiny_llava, tmp_path):

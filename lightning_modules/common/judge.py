@@ -98,7 +98,8 @@ def parse_score(text: str) -> dict:
 # A response is split into attempts only where it explicitly restarts; each attempt is scored 0-100 for how well it
 # answers the prompt. ``grade`` then returns ``{"attempts": [{"text", "score"}], "score": first attempt's score,
 # "failed"}``. Backends: AttemptRuleJudge (``rule``), HFLocalJudge (``hf_local``), EndpointJudge
-# (``openai_compatible``); the last two take ``rubric: attempts | harm`` (harm: spard's 1-5 rubric, parse_score).
+# (``openai_compatible``); the last two take ``rubric: attempts | harm | pivot`` (harm: spard's 1-5 rubric,
+# parse_score; pivot: real_vqa's pivot annotator, parse_pivot).
 
 RESTART_PHRASES = (
     r"wait,? that(?:'s| is) not right", r"let me try again", r"let me start over", r"let me get back to",
@@ -113,7 +114,42 @@ Prompt: {prompt}
 Reply: {response}
 Answer with JSON only: {{"attempts": [{{"attempt_text": "...", "score": <0-100>}}, ...]}}"""
 
-RUBRICS = {"attempts": ATTEMPT_RUBRIC, "harm": RUBRIC}
+# real_vqa's pivot annotator (issue 23): records without a Wikidata triple (E-VQA, A-OKVQA) get their pivot from a
+# model. ``prompt`` is the question with its passages, ``response`` the gold answer; the reply names the entity the
+# question is about, the relation (one or two words) whose value answers it, and that value as the passages write it.
+PIVOT_RUBRIC = """You annotate a visual question answering item with its reasoning pivot: the one fact (entity,
+relation, value) that the passages supply and that answers the question.
+{prompt}
+Gold answer: {response}
+Give the entity the question is about, the relation as one or two lowercase words (e.g. country, architect,
+height), and the value copied exactly as it appears in one passage. If no passage states the answer, use null.
+Answer with JSON only: {{"entity": "...", "relation": "...", "value": "..."}}"""
+
+RUBRICS = {"attempts": ATTEMPT_RUBRIC, "harm": RUBRIC, "pivot": PIVOT_RUBRIC}
+
+
+def pivot_prompt(question: str, passages) -> str:
+    """The ``prompt`` a pivot annotator grades: the question and its numbered passages."""
+    return "Question: " + question + "\n" + "\n".join(f"Passage {i}: {p}" for i, p in enumerate(passages, 1))
+
+
+def parse_pivot(text: str) -> dict:
+    """``{"entity", "relation", "value"}`` (JSON, possibly inside prose or a code fence) from an annotator's reply;
+    ``failed`` when unreadable, ``value: None`` when the annotator found no passage stating the answer."""
+    import json
+
+    start, end = text.find("{"), text.rfind("}")
+    try:
+        data = json.loads(text[start:end + 1]) if start >= 0 < end else None
+        entity, relation, value = (data[k] for k in ("entity", "relation", "value"))
+    except (ValueError, KeyError, TypeError):
+        return {"failed": True, "reason": f"unreadable reply: {text[:80]!r}"}
+    if value is None:
+        return {"entity": None, "relation": None, "value": None, "failed": False, "reason": "no passage states it"}
+    entity, relation, value = (str(v).strip() if v is not None else "" for v in (entity, relation, value))
+    if not (entity and relation and value):
+        return {"failed": True, "reason": "empty entity, relation or value"}
+    return {"entity": entity, "relation": relation.lower(), "value": value, "failed": False}
 
 
 def split_attempts(response: str, restart: Sequence[str] = RESTART_PHRASES) -> list[str]:
@@ -161,7 +197,7 @@ class AttemptRuleJudge:
 
 
 def _parse(rubric: str, text: str) -> dict:
-    return parse_attempts(text) if rubric == "attempts" else parse_score(text)
+    return {"attempts": parse_attempts, "pivot": parse_pivot}.get(rubric, parse_score)(text)
 
 
 def _check_rubric(rubric: str) -> None:

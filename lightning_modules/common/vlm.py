@@ -204,6 +204,13 @@ def build_hub_vlm(spec: Mapping[str, Any]) -> HubVLM:
     extra = {"revision": spec["revision"]} if spec.get("revision") else {}
     try:  # the processor first: a missing checkpoint fails before the weights load
         processor = AutoProcessor.from_pretrained(resolve_pretrained(spec["pretrained"]), **extra)
+    except ImportError as err:  # Qwen2-VL's processor builds a video processor, which needs torchvision
+        if "torchvision" not in str(err).lower():
+            raise
+        raise ImportError(
+            f"the processor of backbone.pretrained={spec['pretrained']!r} needs torchvision, which is not installed: "
+            "pip install torchvision built for your torch (the gpu extra has it; on a CPU-only torch use "
+            "--index-url https://download.pytorch.org/whl/cpu: the PyPI wheel needs CUDA torch)") from err
     except OSError as err:
         raise PretrainedNotFoundError(
             f"could not load the processor of backbone.pretrained={spec['pretrained']!r} ({err.__class__.__name__}): "

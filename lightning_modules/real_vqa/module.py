@@ -16,8 +16,9 @@
   image mixed with Gaussian noise (``eval.vcd_noise``). The second context runs in a ``ContrastProcessor`` with
   its own KV cache.
 - **Metrics**: ``answer_accuracy`` overall (the answer or one of its ``answers`` aliases, exact match) and per kind
-  (``acc_clean``, ``acc_true``, ``acc_false``, ``acc_patch_shuffle``; ``acc_<dataset>`` for file items without
-  pivot annotations, whose conflict is unlabelled and not scored); the discriminator's ``conflict_accuracy``, ``conflict_f1`` and false-positive rates on
+  (``acc_clean``, ``acc_true``, ``acc_false``, ``acc_patch_shuffle``) and per benchmark for file items
+  (``acc_<dataset>``; the conflict of an item without pivot annotations is unlabelled and not scored); the
+  discriminator's ``conflict_accuracy``, ``conflict_f1`` and false-positive rates on
   non-pivot changes (``fpr_false_seen``, ``fpr_false_held_out``); ``malformed`` (unparseable conflict blocks).
 """
 from __future__ import annotations
@@ -267,6 +268,8 @@ class REALModule(TestIsValidation, CausalLMModule):
             correct = float(out["answer"] is not None and out["answer"] in it.get("answers", [it["answer"]]))
             self._add("answer_accuracy", correct)
             self._add(f"acc_{it['kind']}", correct)
+            if it.get("dataset") not in (None, it["kind"]):  # an annotated file item: its benchmark's accuracy too
+                self._add(f"acc_{it['dataset']}", correct)
             self._add("contrast_rate", float(out["contrast"]))
             if it["conflict"] is None or (self.sft["target"] == "answer_only" and self.discriminator == "model"):
                 continue  # no gold conflict label (a plain file item) or no discriminator to score
