@@ -242,7 +242,6 @@ def test_tiny_mdlm_solves_the_suite_at_k0(tiny_models):
     assert correct / len(queries) >= 0.6, f"tiny-mdlm: {correct}/{len(queries)} at k = 0"
 
 
-
 def test_masks_placed_before_the_answer_take_gradient(tiny_models):
     """On the cached tiny-mdlm (whatever its accuracy), k mask fillers take a share of the answer's input gradient
     strictly between 0 and 1, and with k = 0 there is none to take."""
@@ -250,6 +249,7 @@ def test_masks_placed_before_the_answer_take_gradient(tiny_models):
     q = queries[0]
     share = module.mask_gradient_share(*module.study_input(q["prompt_ids"], 32))
     assert 0.0 < share < 1.0 and module.mask_gradient_share(*module.study_input(q["prompt_ids"], 0)) == 0.0
+
 
 def test_mdlm_masks_tiny_smoke(tmp_path):
     """The fine-tune and the studies end to end; the overrides shrink what debug=smoke does not: queries per task,
