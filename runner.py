@@ -33,6 +33,27 @@ def register_resolvers() -> None:
     register_sweep_resolvers()  # sweep dir and W&B group
 
 
+def compose(experiment: str | None, overrides=(), output_dir: str | Path | None = None) -> DictConfig:
+    """The config ``python run.py experiment=<experiment> <overrides>`` would run, with HydraConfig set (what
+    run.py's ``@hydra.main`` does), for in-process runs: benchmarks and tests. ``experiment=None`` leaves the
+    experiment to ``overrides``; ``output_dir`` replaces the run's output folder."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    register_resolvers()
+    GlobalHydra.instance().clear()
+    head = [f"experiment={experiment}"] if experiment else []
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parent / "conf"), version_base="1.3"):
+        cfg = hydra_compose("run", overrides=[*head, *overrides], return_hydra_config=True)
+    if output_dir is not None:
+        with open_dict(cfg):
+            cfg.paths.output_dir = cfg.hydra.runtime.output_dir = str(output_dir)
+    HydraConfig().set_config(cfg)
+    return cfg
+
+
 def run_dirname(overrides: str, max_len: int = 160) -> str:
     """A run dir name from ``hydra.job.override_dirname``: readable, deterministic, within a filename's limit.
 

@@ -24,32 +24,12 @@ from pathlib import Path
 KINDS = "[pca_sampled,extrapolation,orthogonal,random]"
 
 
-def compose(overrides: list[str], output_dir: Path):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import open_dict
-
-    from runner import register_resolvers
-
-    register_resolvers()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
-        cfg = hydra_compose("run", overrides=overrides, return_hydra_config=True)
-    with open_dict(cfg):
-        cfg.paths.output_dir = str(output_dir)
-        cfg.hydra.runtime.output_dir = str(output_dir)
-    HydraConfig().set_config(cfg)
-    return cfg
-
-
 def run_job(name: str, overrides: list[str], out: Path) -> dict:
-    from runner import run
+    from runner import compose, run
 
     job = out / name
     print(f"[curvature] {name}: {' '.join(overrides)}", flush=True)
-    run(compose([*overrides, "logger=csv", "callbacks.progress_bar=null"], job))
+    run(compose(None, [*overrides, "logger=csv", "callbacks.progress_bar=null"], job))
     return json.loads((job / "metrics.json").read_text())
 
 

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from runner import compose
+
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = {"local": ["model.attention=local"], "s2_no_wrap": ["model.attention=s2", "model.s2.shift=no_wrap"],
         "hici_causal_shift_g": ["model.attention=hici", "model.hici.causal_mode=causal_shift_g"],
@@ -48,35 +50,16 @@ def wilson(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def compose(overrides: list[str], output_dir: str):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import open_dict
-
-    from runner import register_resolvers
-
-    register_resolvers()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = hydra_compose("run", overrides=overrides, return_hydra_config=True)
-    with open_dict(cfg):
-        cfg.paths.output_dir = cfg.hydra.runtime.output_dir = output_dir
-    HydraConfig().set_config(cfg)
-    return cfg
-
-
 def arm_module(arm: str, args, out_dir: str):
     """The arm's HiCILongContextLM from experiment=hici_tiny, at the retrieval context, and its tokenizer."""
     from hydra.utils import instantiate
 
-    cfg = compose(["experiment=hici_tiny", *ARMS[arm], f"data.seq_len={args.seq_len}",
-                   f"model.rope.original_length={args.native}", f"model.rope.target_length={args.seq_len}",
-                   "model.hici.num_segments=4", "model.hici.eval_segments=4", f"model.optimizer.lr={args.lr}",
-                   f"model.hici_lr={args.hici_lr}", f"model.scheduler.num_warmup_steps={args.warmup}",
-                   "model.export_dir=null", "model.evaluation.ppl_lengths=[]", "model.evaluation.passkey_lengths=[]",
-                   f"seed={args.seed}"], out_dir)
+    cfg = compose(None, ["experiment=hici_tiny", *ARMS[arm], f"data.seq_len={args.seq_len}",
+                         f"model.rope.original_length={args.native}", f"model.rope.target_length={args.seq_len}",
+                         "model.hici.num_segments=4", "model.hici.eval_segments=4", f"model.optimizer.lr={args.lr}",
+                         f"model.hici_lr={args.hici_lr}", f"model.scheduler.num_warmup_steps={args.warmup}",
+                         "model.export_dir=null", "model.evaluation.ppl_lengths=[]",
+                         "model.evaluation.passkey_lengths=[]", f"seed={args.seed}"], out_dir)
     return instantiate(cfg.model, _convert_="all"), instantiate(cfg.data.tokenizer, _convert_="all")
 
 

@@ -53,7 +53,7 @@ def build(seed: int, steps: int, extra: list[str]):
     import lightning as L
     from hydra.utils import instantiate
 
-    from tests.helpers import compose
+    from runner import compose
 
     cfg = compose("instemb_tiny", [f"seed={seed}", f"trainer.max_steps={steps}", *extra])
     L.seed_everything(seed)

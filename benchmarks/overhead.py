@@ -34,25 +34,7 @@ if __name__ == "__main__":  # Hydra imports the timer target by name: let that n
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-
-def compose(overrides: list[str], output_dir: str):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.hydra_config import HydraConfig
-    from omegaconf import open_dict
-
-    from runner import register_resolvers
-
-    register_resolvers()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = hydra_compose("run", overrides=overrides, return_hydra_config=True)
-    with open_dict(cfg):
-        cfg.paths.output_dir = output_dir
-        cfg.hydra.runtime.output_dir = output_dir
-    HydraConfig().set_config(cfg)
-    return cfg
+from runner import compose  # noqa: E402  (after the path: this file also runs as a script)
 
 
 def base_overrides(steps: int) -> list[str]:
@@ -89,7 +71,7 @@ def run_framework(steps: int, warmup: int, defaults: bool) -> tuple[float, float
     timer = StepTimer(warmup, steps)
     with tempfile.TemporaryDirectory(prefix="paperlab-overhead-") as out:
         extra = ["logger=csv"] if defaults else ["debug=bench"]
-        cfg = compose(base_overrides(steps) + extra, out)
+        cfg = compose(None, base_overrides(steps) + extra, out)
         with open_dict(cfg):
             cfg.callbacks = cfg.get("callbacks") or {}
             cfg.callbacks["step_timer"] = {"_target_": "benchmarks.overhead._timer_callback"}
@@ -120,7 +102,7 @@ def run_plain(steps: int, warmup: int) -> tuple[float, float]:
     from lightning_modules.common.lm import warmup_cosine
 
     with tempfile.TemporaryDirectory(prefix="paperlab-overhead-") as out:
-        cfg = compose(base_overrides(steps) + ["debug=bench"], out)
+        cfg = compose(None, base_overrides(steps) + ["debug=bench"], out)
         torch.manual_seed(cfg.seed)
         dm = instantiate(cfg.data, _convert_="all")
         dm.setup("fit")

@@ -24,7 +24,7 @@ def run_target(target: str, seed: int, steps: int, extra: list[str]) -> dict[str
     import lightning as L
     from hydra.utils import instantiate
 
-    from tests.helpers import compose
+    from runner import compose
 
     cfg = compose("real_vqa_tiny", [f"model.sft.target={target}", f"seed={seed}", f"trainer.max_steps={steps}",
                                     *(["model.discriminator=keyword_mismatch"] if target == "answer_only" else []),

@@ -25,7 +25,7 @@ STYLES = ("direct", "instruction", "paraphrase", "question")
 
 
 def run_arm(arm: str, seed: int, steps: int, extra: list[str]) -> dict:
-    from tests.helpers import compose
+    from runner import compose
 
     from runner import run
 

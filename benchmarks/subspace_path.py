@@ -49,7 +49,7 @@ def _top_mask(score: torch.Tensor, keep: int, floor_layer: float) -> torch.Tenso
 def build(args):
     from hydra.utils import instantiate
 
-    from tests.helpers import compose
+    from runner import compose
 
     over = [f"data.pool_size={args.pool}", f"model.probe.epochs={args.epochs}", f"data.n_scenarios={args.scenarios}",
             f"model.eval.max_new_tokens={args.new_tokens}"]
