@@ -216,6 +216,11 @@ def _inject_one(it: dict, rng: random.Random, true_frac: float, false_frac: floa
     return it
 
 
+def pivot_prompt(question: str, passages) -> str:
+    """The ``prompt`` a pivot annotator grades (the judge's ``pivot`` rubric): the question and numbered passages."""
+    return "Question: " + question + "\n" + "\n".join(f"Passage {i}: {p}" for i, p in enumerate(passages, 1))
+
+
 def annotate_pivots(items: list[dict], annotator, cache: str | Path | None = None) -> tuple[list[dict], Counter]:
     """Pivot triples from an annotator model for the records that have none (E-VQA, A-OKVQA: no Wikidata triple).
 
@@ -227,8 +232,6 @@ def annotate_pivots(items: list[dict], annotator, cache: str | Path | None = Non
     in ``cache`` (a jsonl of ``{key, entity, relation, value}``, appended as they come: an interrupted run resumes)
     and reused by item key; failed grades (an endpoint error, an unreadable reply) are not cached, counted
     ``failed`` and retried on the next load. Counts: ``annotated``, ``cached``, ``no_value``, ``failed``."""
-    from lightning_modules.common.judge import pivot_prompt
-
     cache = Path(cache) if cache else None
     done: dict[str, dict] = {}
     if cache is not None and cache.is_file():

@@ -258,7 +258,8 @@ def annotator(replies):
 
 
 def test_parse_pivot_reads_json_in_prose_and_flags_the_rest():
-    from lightning_modules.common.judge import parse_pivot, pivot_prompt
+    from datamodules.kivqa_files import pivot_prompt
+    from lightning_modules.common.judge import parse_pivot
 
     got = parse_pivot('Sure.\n```json\n{"entity": "Mount Fuji", "relation": "Country", "value": "Japan"}\n```')
     assert got == {"entity": "Mount Fuji", "relation": "country", "value": "Japan", "failed": False}

@@ -128,11 +128,6 @@ Answer with JSON only: {{"entity": "...", "relation": "...", "value": "..."}}"""
 RUBRICS = {"attempts": ATTEMPT_RUBRIC, "harm": RUBRIC, "pivot": PIVOT_RUBRIC}
 
 
-def pivot_prompt(question: str, passages) -> str:
-    """The ``prompt`` a pivot annotator grades: the question and its numbered passages."""
-    return "Question: " + question + "\n" + "\n".join(f"Passage {i}: {p}" for i, p in enumerate(passages, 1))
-
-
 def parse_pivot(text: str) -> dict:
     """``{"entity", "relation", "value"}`` (JSON, possibly inside prose or a code fence) from an annotator's reply;
     ``failed`` when unreadable, ``value: None`` when the annotator found no passage stating the answer."""
