@@ -21,9 +21,7 @@ instemb / esr / real_vqa next.
 """
 from __future__ import annotations
 
-import gzip
 import importlib
-import json
 import random
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -104,21 +102,12 @@ def _paths(files) -> list[Path]:
 
 def check_fields(files, fields: Sequence[str], hint: str = "") -> None:
     """Every jsonl record has every field, else one line naming file:line and the field."""
+    from datamodules.common.loaders import numbered_jsonl
+
     for path in _paths(files):
-        if not path.name.endswith((".jsonl", ".jsonl.gz")):
-            continue
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt", encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise MalformedRecordError(f"{path}:{lineno}: malformed JSON record ({err.msg}); fix or remove that line") from None
-                for f in fields:
-                    if not isinstance(rec, dict) or f not in rec:
-                        raise MalformedRecordError(f"{path}:{lineno}: record has no field {f!r}{'; ' + hint if hint else ''}")
+        if path.name.endswith((".jsonl", ".jsonl.gz")):
+            for _ in numbered_jsonl(path, fields, hint):
+                pass
 
 
 def load_pairs(files, prompt_field: str = "prompt", response_field: str = "response", input_field: str | None = None,

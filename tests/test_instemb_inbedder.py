@@ -91,17 +91,17 @@ def test_bad_files_say_where(tmp_path):
     assert str(tmp_path / "NYTClustering.jsonl") in str(exc.value) and "--inbedder-dir" in str(exc.value)
     f = tmp_path / "IntentEmotion.jsonl"
     write(f, [{"text": "a", "label": "x"}, {"text": "b", "lable": "y"}])
-    with pytest.raises(ValueError, match=rf"^{f}:2: missing field 'label' \(a clustering record is"):
+    with pytest.raises(ValueError, match=rf"^{f}:2: record has no field 'label'; a clustering record is"):
         load_inbedder("IntentEmotion", tmp_path)
     write(f, [{"text": "a", "label": "x"}, "", "{oops"])
-    with pytest.raises(ValueError, match=rf"^{f}:3: not a JSON object"):
+    with pytest.raises(ValueError, match=rf"^{f}:3: malformed JSON record"):
         load_inbedder("IntentEmotion", tmp_path)
     write(f, [{"text": "a", "label": "x"}, {"text": "b", "label": "x"}])
     with pytest.raises(ValueError, match="fewer than 2 distinct labels"):
         load_inbedder("IntentEmotion", tmp_path)
     g = tmp_path / "InstructSTSB.jsonl"
     write(g, [{"sentence1": "a", "sentence2": "b", "score": 1}, {"sentence1": "a", "sentence2": "c"}])
-    with pytest.raises(ValueError, match=rf"^{g}:2: missing field 'score'"):
+    with pytest.raises(ValueError, match=rf"^{g}:2: record has no field 'score'"):
         load_inbedder("InstructSTSB", tmp_path)
     write(g, [{"sentence1": "a", "sentence2": "b", "score": "high"}])
     with pytest.raises(ValueError, match=rf"^{g}:1: 'score' is 'high', not a number"):

@@ -4,15 +4,16 @@ from __future__ import annotations
 import gzip
 import json
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 
 class MalformedRecordError(ValueError):
     pass
 
 
-def iter_jsonl(path: Path, field: str | None = None) -> Iterator[dict]:
-    """The records of a .jsonl(.gz) file, streamed; a bad line raises an error naming file and line."""
+def numbered_jsonl(path: Path, fields: Sequence[str] = (), hint: str = "") -> Iterator[tuple[int, dict]]:
+    """(line number, record) of a .jsonl(.gz) file, streamed; a malformed line or a record without one of ``fields``
+    raises one error naming file and line (``hint``, e.g. which config key to set, ends the missing-field one)."""
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
@@ -22,9 +23,17 @@ def iter_jsonl(path: Path, field: str | None = None) -> Iterator[dict]:
                 rec = json.loads(line)
             except json.JSONDecodeError as err:
                 raise MalformedRecordError(f"{path}:{lineno}: malformed JSON record ({err.msg}); fix or remove that line") from None
-            if field is not None and (not isinstance(rec, dict) or field not in rec):
-                raise MalformedRecordError(f"{path}:{lineno}: record has no field {field!r}; set data.text_field to the right key")
-            yield rec
+            for f in fields:
+                if not isinstance(rec, dict) or f not in rec:
+                    raise MalformedRecordError(f"{path}:{lineno}: record has no field {f!r}{'; ' + hint if hint else ''}")
+            yield lineno, rec
+
+
+def iter_jsonl(path: Path, field: str | None = None) -> Iterator[dict]:
+    """The records of a .jsonl(.gz) file, streamed; a bad line raises an error naming file and line."""
+    hint = "set data.text_field to the right key" if field is not None else ""
+    for _, rec in numbered_jsonl(path, () if field is None else (field,), hint):
+        yield rec
 
 
 def _check_jsonl(path: Path, field: str | None) -> None:

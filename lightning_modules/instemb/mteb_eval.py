@@ -200,22 +200,14 @@ def load_inbedder(name: str, root: str | Path | None) -> dict[str, list]:
         raise ValueError(f"{name}: no {path}; put the task's jsonl there or set --inbedder-dir to the folder holding "
                          f"{name}.jsonl")
     cols: dict[str, list] = {f: [] for f in fields}
-    with path.open() as fh:
-        for i, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{i}: not a JSON object ({err.msg})") from None
-            missing = [f for f in fields if not isinstance(rec, dict) or f not in rec]
-            if missing:
-                raise ValueError(f"{path}:{i}: missing field {missing[0]!r} (a {kind} record is "
-                                 f"{{{', '.join(repr(f) for f in fields)}}})")
-            if kind == "sts" and not isinstance(rec["score"], (int, float)):
-                raise ValueError(f"{path}:{i}: 'score' is {rec['score']!r}, not a number")
-            for f in fields:
-                cols[f].append(rec[f])
+    from datamodules.common.loaders import numbered_jsonl
+
+    record = f"a {kind} record is {{{', '.join(repr(f) for f in fields)}}}"
+    for i, rec in numbered_jsonl(path, fields, record):
+        if kind == "sts" and not isinstance(rec["score"], (int, float)):
+            raise ValueError(f"{path}:{i}: 'score' is {rec['score']!r}, not a number")
+        for f in fields:
+            cols[f].append(rec[f])
     if kind == "clustering" and len(set(map(str, cols["label"]))) < 2:
         raise ValueError(f"{path}: fewer than 2 distinct labels; V-measure needs at least 2")
     if kind == "sts" and len(set(cols["score"])) < 2:
