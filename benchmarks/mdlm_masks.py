@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -71,6 +72,14 @@ def _acc(res, d, k):
     return res["accuracy_grid"].get(f"d{d}/k{k}")
 
 
+def _se(accuracies, n: int) -> float | None:
+    """Standard error (pp) of a sum/difference of accuracies (%) each measured on n queries: the query sampling
+    error, cells treated as independent (the cells share queries, so a paired error would be smaller)."""
+    if any(a is None for a in accuracies):
+        return None
+    return 100 * math.sqrt(sum((a / 100) * (1 - a / 100) / n for a in accuracies))
+
+
 def claims(result, argv):
     from benchmarks.schema import Claim, verdict_at_least
 
@@ -87,30 +96,37 @@ def claims(result, argv):
         "locality_bias", "MDLMs exhibit a strong locality bias",
         f"tiny-mdlm accuracy (%) with the relevant block adjacent to the query minus {dists[-1]} distractor examples "
         f"away, k = {k0}", None if near is None or far is None else near - far, ">= 5 pp (locality: near beats far)",
-        verdict_at_least(None if near is None else near - far, 5.0) if len(dists) > 1 else "inconclusive",
-        f"accuracy by distance: {curve} ({n} queries each)", n=1))
+        verdict_at_least(None if near is None else near - far, 5.0, _se([near, far], n)) if len(dists) > 1
+        else "inconclusive",
+        f"accuracy by distance: {curve} ({n} queries each; stderr: query sampling)", _se([near, far], n), n=1))
     tax = drop["base"]
+    tax_se = _se([_acc(base, "rand", k0), _acc(base, "rand", kmax)], n)
     found.append(Claim(
         "mask_tax", "mask tokens—required for generation—can significantly degrade context comprehension",
         f"tiny-mdlm single-step accuracy (%) at k = {k0} minus at k = {kmax} appended masks (random placement)", tax,
-        ">= 5 pp (LLaDA-8B: -23 pp)", verdict_at_least(tax, 5.0),
-        "per k: " + ", ".join(f"k{k} {_acc(base, 'rand', k):.1f}" for k in ks), n=1))
+        ">= 5 pp (LLaDA-8B: -23 pp)", verdict_at_least(tax, 5.0, tax_se),
+        "per k: " + ", ".join(f"k{k} {_acc(base, 'rand', k):.1f}" for k in ks) + f" ({n} queries each)", tax_se,
+        n=1))
     period = drop["base_period"]
     share = base.get("mask_grad_share", {}).get(str(kmax))
+    period_se = _se([_acc(base, "rand", k0), _acc(base, "rand", kmax), _acc(a["base_period"], "rand", k0),
+                     _acc(a["base_period"], "rand", kmax)], n)
     found.append(Claim(
         "masks_distract", "act as distractors",
         f"accuracy drop (pp) from k = {k0} to {kmax} with masks minus with ' .' fillers", tax - period,
         "> 0 (masks cost more than the same number of ' .' tokens; paper ~23 vs ~3 pp)",
-        verdict_at_least(tax - period, 0.0, strict=True),
+        verdict_at_least(tax - period, 0.0, period_se, strict=True),
         f"masks -{tax:.1f} pp, periods -{period:.1f} pp; the {kmax} masks' input-gradient share "
-        f"{'n/a' if share is None else f'{share:.2f}'}", n=1))
+        f"{'n/a' if share is None else f'{share:.2f}'}", period_se, n=1))
     gain = drop["ce_only"] - drop["ce_tv"]
+    gain_se = _se([_acc(a[arm], "rand", k) for arm in ("ce_only", "ce_tv") for k in (k0, kmax)], n)
     found.append(Claim(
         "ma_loss_mitigates", "Fine-tuning with this objective substantially mitigates the distracting effect of masks",
         f"drop k = {k0} -> {kmax} (pp): CE-only minus CE+TV after {args['steps']} fine-tune steps", gain,
-        ">= 3 pp (CE+TV loses fewer points than CE-only)", verdict_at_least(gain, 3.0),
+        ">= 3 pp (CE+TV loses fewer points than CE-only)", verdict_at_least(gain, 3.0, gain_se),
         f"drops: base {drop['base']:.1f}, CE-only {drop['ce_only']:.1f}, CE+TV {drop['ce_tv']:.1f} pp; accuracy at "
-        f"k = {k0}: CE-only {_acc(a['ce_only'], 'rand', k0):.1f}, CE+TV {_acc(a['ce_tv'], 'rand', k0):.1f}", n=1))
+        f"k = {k0}: CE-only {_acc(a['ce_only'], 'rand', k0):.1f}, CE+TV {_acc(a['ce_tv'], 'rand', k0):.1f}", gain_se,
+        n=1))
     return found, []
 
 

@@ -15,8 +15,9 @@ seeded random place). Splits are disjoint by content: every example (its task an
 tiny MDLM pretrained on this generator never sees a test example (nor a test query) anywhere.
 
 ``RuleInductionDataModule`` serves:
-- ``train: pretrain``: whole prompts with answers (example counts drawn up to the maxima) mixed with the RL core's
-  arithmetic (``arithmetic_share``), right-padded with EOS to the batch's longest (LLaDA attends to EOS padding);
+- ``train: pretrain``: whole prompts with answers (example counts drawn once per batch, up to maxima that may grow
+  over ``pretrain_curriculum`` batches) mixed with the RL core's arithmetic (``arithmetic_share``), right-padded
+  with EOS to the batch's longest (LLaDA attends to EOS padding);
   what tiny-mdlm is pretrained on with LLaDA's loss, a share of the prompts (``answer_only_share``) in its SFT form
   with only the answers maskable, which teaches the few-shot rule in a CPU budget.
 - ``train: qa``: (question, answer) pairs for the mask-agnostic fine-tune: generated arithmetic (tiny), or local
@@ -26,6 +27,7 @@ tiny MDLM pretrained on this generator never sees a test example (nor a test que
 """
 from __future__ import annotations
 
+import itertools
 import random
 
 import lightning as L
@@ -157,13 +159,17 @@ class _Pretrain(IterableDataset):
 
     def __iter__(self):
         dm, rng = self.dm, random.Random(f"{self.dm.seed}/pretrain")
-        while True:
+        for i in itertools.count():
+            if i % dm.batch_size == 0:  # one pair of example counts per batch: its prompts pad nothing (a mixed
+                grown = min(1.0, i // dm.batch_size / dm.pretrain_curriculum) if dm.pretrain_curriculum else 1.0
+                n_relevant = rng.randint(1, 1 + round((dm.n_relevant - 1) * grown))  # batch pads to its longest)
+                n_distractor = rng.randint(0, round(dm.pretrain_max_distractor * grown))
             if rng.random() < dm.arithmetic_share:
                 yield (dm.encode(arithmetic_text(rng)), None)
                 continue
-            s = rule_induction_sample(rng, rng.choice(TASKS), rng.randint(1, dm.n_relevant),
-                                      rng.randint(0, dm.pretrain_max_distractor), None, dm.answer, dm.number_max,
-                                      "train", dm.val_fraction, dm.test_fraction, dm.words_per_category)
+            s = rule_induction_sample(rng, rng.choice(TASKS), n_relevant, n_distractor, None, dm.answer,
+                                      dm.number_max, "train", dm.val_fraction, dm.test_fraction,
+                                      dm.words_per_category)
             kinds = [key.split("|")[0] for key in s["keys"]]  # one per example, the query last
             ids, answers = [], []
             *heads, tail = (s["context"] + s["query"] + s["answer"] + "].").split("Answer:[")
@@ -226,6 +232,9 @@ class RuleInductionDataModule(L.LightningDataModule):
             is never tested on).
         pretrain_max_distractor: the most distractor examples in a pretraining prompt (null: ``n_distractor``);
             fewer makes shorter, cheaper steps, while val/test queries keep ``n_distractor``.
+        pretrain_curriculum: batches over which the pretraining example-count maxima grow linearly from 1 relevant
+            + 0 distractors to ``n_relevant`` + ``pretrain_max_distractor`` (0: full maxima from the start). Short
+            prompts first: the option-copying rule emerges there in fewer, cheaper steps.
         words_per_category: how many of each category's 12 words are drawn (fewer: an easier rule for a tiny model).
         seq_len: the context N of a fine-tune pair (question, answer and appended masks; the MA loss cuts a longer
             question from its start) and the longest pretraining sequence (prompts beyond it are refused).
@@ -237,7 +246,7 @@ class RuleInductionDataModule(L.LightningDataModule):
                  batch_size: int = 8, val_fraction: float = 0.1, test_fraction: float = 0.1, seed: int = 0,
                  question_field: str = "question", answer_field: str = "response", seq_len: int = 1024,
                  answer_only_share: float = 0.0, words_per_category: int = 12, maskable_answers: str = "all",
-                 pretrain_max_distractor: int | None = None):
+                 pretrain_max_distractor: int | None = None, pretrain_curriculum: int = 0):
         super().__init__()
         if train not in ("pretrain", "qa"):
             raise ValueError(f"data.train={train!r}: choose pretrain (the suite, LLaDA's loss) or qa (fine-tune pairs)")
@@ -265,6 +274,9 @@ class RuleInductionDataModule(L.LightningDataModule):
             raise ValueError(f"data.pretrain_max_distractor={pretrain_max_distractor}: 0..n_distractor={n_distractor} "
                              "(or null for n_distractor)")
         self.pretrain_max_distractor = n_distractor if pretrain_max_distractor is None else pretrain_max_distractor
+        if pretrain_curriculum < 0:
+            raise ValueError(f"data.pretrain_curriculum={pretrain_curriculum}: a number of batches >= 0 (0: none)")
+        self.pretrain_curriculum = pretrain_curriculum
         if not 1 <= words_per_category <= 12:
             raise ValueError(f"data.words_per_category={words_per_category}: 1..12 (the suite's lists hold 12 words)")
         self.words_per_category = words_per_category

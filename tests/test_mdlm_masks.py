@@ -206,6 +206,37 @@ def test_pretraining_masks_only_relevant_answers_and_caps_distractors():
         RuleInductionDataModule(tok, n_distractor=10, pretrain_max_distractor=11)
 
 
+def _example_counts(tok, row: list[int]) -> tuple[int, int]:
+    """(relevant examples, distractor examples) of a pretraining prompt: a distractor's 3 options and its answer
+    are numbers, the query's answer is a word."""
+    numbers = sum(tok.convert_ids_to_tokens(t).isdigit() for t in row)
+    return row.count(tok.convert_tokens_to_ids("Answer:")) - 1 - numbers // 4, numbers // 4
+
+
+@pytest.mark.parametrize("curriculum", [0, 6])
+def test_pretraining_batches_share_their_example_counts(curriculum):
+    """Every prompt of a pretraining batch has the same numbers of relevant and distractor examples, so a batch
+    without arithmetic pads nothing; with ``pretrain_curriculum`` the maxima grow linearly from 1 + 0 (batch 0) to
+    n_relevant + n_distractor (batch 6 on); the counts vary from batch to batch and reach the maxima."""
+    tok = suite_tokenizer()
+    dm = RuleInductionDataModule(tok, n_relevant=3, n_distractor=4, answer="word", arithmetic_share=0.0,
+                                 answer_only_share=1.0, maskable_answers="relevant", batch_size=4, seq_len=256,
+                                 pretrain_curriculum=curriculum)
+    seen = []
+    for b, batch in zip(range(60), dm.train_dataloader()):
+        rows = batch["input_ids"].tolist()
+        counts = {_example_counts(tok, r) for r in rows}
+        assert len(counts) == 1 and tok.eos_token_id not in sum(rows, [])
+        (n_rel, n_dis), = counts
+        grown = min(1.0, b / curriculum) if curriculum else 1.0
+        assert 1 <= n_rel <= 1 + round(2 * grown) and 0 <= n_dis <= round(4 * grown)
+        seen.append((n_rel, n_dis))
+    assert seen[0] == (1, 0) if curriculum else len(set(seen)) > 1
+    assert max(r for r, _ in seen) == 3 and max(d for _, d in seen) == 4
+    with pytest.raises(ValueError, match="pretrain_curriculum=-1"):
+        RuleInductionDataModule(tok, pretrain_curriculum=-1)
+
+
 def _tiny_mdlm_and_test_queries():
     """The cached tiny-mdlm in a study module (k 0 and 32) and 3 test queries per task, as mdlm_masks_tiny sets them."""
     from omegaconf import OmegaConf
@@ -224,19 +255,12 @@ def _tiny_mdlm_and_test_queries():
     return module, dm.queries("test", 3, None)
 
 
-@pytest.mark.unmet
 def test_tiny_mdlm_solves_the_suite_at_k0(tiny_models):
     """The studies need a working model: tiny-mdlm's single-step whole-vocabulary accuracy at k = 0 on test queries
     (5 relevant + 10 distractor examples, never seen in pretraining) is at least 60% (chance among the three options
-    33%). (That appended masks take gradient is the next test's.)
-
-    Issue 15's acceptance criterion, NOT met yet: the 800-step recipe of mdlm_tiny (batch 32, relevant answers
-    maskable, 2 words per category) reaches 69% on its 64 val queries but 24/48 = 50% here, and every one of the
-    other 24 answers is the other word of the right category: the model infers the category from the examples
-    every time but does not copy the query's option (a category prior gives 50% with 2 words per category).
-    Across recipes tried it hovers at 55-65%; letter answers (``answer: letter``) stayed at chance (loss ~ln 3)
-    through 400 steps. Deselected from the default suite by the ``unmet`` marker; ``python -m pytest -m unmet``
-    runs it, and it fails, naming the breakdown."""
+    33%; a category prior alone scores 1/12). (That appended masks take gradient is the next test's.)
+    Measured on the mdlm_tiny export when this recipe landed: 37/48 here, 169/256 = 66% on 16 queries per task; every miss was
+    another word of the right category, and the failure message names that breakdown."""
     module, queries = _tiny_mdlm_and_test_queries()
     tok = suite_tokenizer()
     category = {tok.convert_tokens_to_ids(w): c for c, ws in CATEGORIES.items() for w in ws}
