@@ -176,8 +176,10 @@ def machine() -> dict:
 
 
 def write_results(paper: str, claims: Sequence[Claim | dict], *, wall_s: float, figures: Iterable[str | Path] = (),
-                  command: str | None = None, out_dir: Path = RESULTS, wandb: bool = False) -> Path:
-    """Validate and write ``<out_dir>/<paper>.json``; copy each figure beside it as ``<paper>_<name>.png``."""
+                  command: str | None = None, out_dir: Path = RESULTS, wandb: bool = False,
+                  commit: str | None = None) -> Path:
+    """Validate and write ``<out_dir>/<paper>.json``; copy each figure beside it as ``<paper>_<name>.png``.
+    ``commit``: the checkout the measurement ran on (default: now)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     names = []
@@ -189,7 +191,7 @@ def write_results(paper: str, claims: Sequence[Claim | dict], *, wall_s: float, 
         names.append(name)
     doc = {"schema": SCHEMA_VERSION, "paper": paper,
            "command": command or " ".join(["python -m", f"benchmarks.{paper}", *sys.argv[1:]]),
-           "commit": _commit(), "machine": machine(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "commit": commit or _commit(), "machine": machine(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "wall_s": round(float(wall_s), 1), "figures": names,
            "claims": [asdict(c) if isinstance(c, Claim) else dict(c) for c in claims]}
     path = out_dir / f"{paper}.json"
@@ -241,7 +243,7 @@ def run_benchmark(paper: str, main: Callable[[list[str]], Any], claims: Callable
     argv = list(sys.argv[1:] if argv is None else argv)
     wandb = "--wandb" in argv
     argv = [a for a in argv if a != "--wandb"]
-    t0 = time.perf_counter()
+    t0, commit = time.perf_counter(), _commit()  # the code that runs: figures written later must not mark it dirty
     try:
         result = main(argv)
     except ModuleNotFoundError as err:
@@ -250,4 +252,5 @@ def run_benchmark(paper: str, main: Callable[[list[str]], Any], claims: Callable
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     module = spec.name if spec is not None and spec.name.startswith("benchmarks.") else f"benchmarks.{paper}"
     return write_results(paper, found, wall_s=time.perf_counter() - t0, figures=figures,
-                         command=" ".join(["python -m", module, *argv]), out_dir=out_dir, wandb=wandb)
+                         command=" ".join(["python -m", module, *argv]), out_dir=out_dir, wandb=wandb,
+                         commit=commit)

@@ -127,3 +127,19 @@ def test_missing_dependency_names_the_extra():
 def test_validate_rejects_a_non_object():
     with pytest.raises(ValueError, match=r"^x\.json: <top>: "):
         validate([], "x.json")
+
+
+def test_run_benchmark_records_the_commit_it_started_on(tmp_path, monkeypatch):
+    """The commit is read before the benchmark runs: its own figures (or a parallel benchmark's results) written
+    into the tree later must not mark the measurement dirty."""
+    import benchmarks.schema as schema
+
+    tree = {"dirty": False}
+    monkeypatch.setattr(schema, "_commit", lambda: "1a2b3c4" + (" (dirty)" if tree["dirty"] else ""))
+
+    def main(argv):
+        tree["dirty"] = True  # the run writes into tracked files
+        return 1.0
+
+    claims = lambda result, argv: ([Claim("a", "some words", "x", result, ">= 0", "held", "one run")], [])
+    assert json.loads(run_benchmark("toy", main, claims, argv=[], out_dir=tmp_path).read_text())["commit"] == "1a2b3c4"
