@@ -8,6 +8,7 @@ call ``wandb.finish()`` so the next job of a multirun gets a fresh run.
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -73,8 +74,13 @@ def test_wandb_offline_run(tmp_path, wandb_spies):
 
     files = list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1
-    data = files[0].read_bytes()
-    assert b"train/loss" in data and b"val/loss" in data  # the records were written, offline, to disk
+    # the records were written, offline, to disk. wandb-core writes this log from its own process and may still be
+    # flushing when finish() returns: a fresh-clone suite once read the 7-byte header alone here
+    deadline = time.monotonic() + 60
+    written = lambda data: b"train/loss" in data and b"val/loss" in data
+    while not written(data := files[0].read_bytes()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert written(data), f"{files[0]} holds {len(data)} bytes after 60 s"
 
 
 def test_wandb_finish_runs_when_the_run_fails(tmp_path, wandb_spies):
