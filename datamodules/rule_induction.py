@@ -160,9 +160,10 @@ class _Pretrain(IterableDataset):
     def __iter__(self):
         dm, rng = self.dm, random.Random(f"{self.dm.seed}/pretrain")
         for i in itertools.count():
-            if i % dm.batch_size == 0:  # one pair of example counts per batch: its prompts pad nothing (a mixed
+            # one pair of example counts per batch, so its prompts pad nothing (a mixed batch pads to its longest)
+            if i % dm.batch_size == 0:
                 grown = min(1.0, i // dm.batch_size / dm.pretrain_curriculum) if dm.pretrain_curriculum else 1.0
-                n_relevant = rng.randint(1, 1 + round((dm.n_relevant - 1) * grown))  # batch pads to its longest)
+                n_relevant = rng.randint(1, 1 + round((dm.n_relevant - 1) * grown))
                 n_distractor = rng.randint(0, round(dm.pretrain_max_distractor * grown))
             if rng.random() < dm.arithmetic_share:
                 yield (dm.encode(arithmetic_text(rng)), None)
