@@ -116,7 +116,7 @@ def claims(result, argv):
         f"accuracy drop (pp) from k = {k0} to {kmax} with masks minus with ' .' fillers", tax - period,
         "> 0 (masks cost more than the same number of ' .' tokens; paper ~23 vs ~3 pp)",
         verdict_at_least(tax - period, 0.0, period_se, strict=True),
-        f"masks -{tax:.1f} pp, periods -{period:.1f} pp; the {kmax} masks' input-gradient share "
+        f"drops: masks {tax:.1f} pp, periods {period:.1f} pp; the {kmax} masks' input-gradient share "
         f"{'n/a' if share is None else f'{share:.2f}'}", period_se, n=1))
     gain = drop["ce_only"] - drop["ce_tv"]
     gain_se = _se([_acc(a[arm], "rand", k) for arm in ("ce_only", "ce_tv") for k in (k0, kmax)], n)

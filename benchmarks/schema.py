@@ -191,7 +191,8 @@ def write_results(paper: str, claims: Sequence[Claim | dict], *, wall_s: float, 
         names.append(name)
     doc = {"schema": SCHEMA_VERSION, "paper": paper,
            "command": command or " ".join(["python -m", f"benchmarks.{paper}", *sys.argv[1:]]),
-           "commit": commit or _commit(), "machine": machine(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           "commit": commit or _commit(), "machine": machine(),
+           "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "wall_s": round(float(wall_s), 1), "figures": names,
            "claims": [asdict(c) if isinstance(c, Claim) else dict(c) for c in claims]}
     path = out_dir / f"{paper}.json"

@@ -259,8 +259,8 @@ def test_tiny_mdlm_solves_the_suite_at_k0(tiny_models):
     """The studies need a working model: tiny-mdlm's single-step whole-vocabulary accuracy at k = 0 on test queries
     (5 relevant + 10 distractor examples, never seen in pretraining) is at least 60% (chance among the three options
     33%; a category prior alone scores 1/12). (That appended masks take gradient is the next test's.)
-    Measured on the mdlm_tiny export when this recipe landed: 37/48 here, 169/256 = 66% on 16 queries per task; every miss was
-    another word of the right category, and the failure message names that breakdown."""
+    Measured on the mdlm_tiny export when this recipe landed: 37/48 here, 169/256 = 66% on 16 queries per task;
+    every miss was another word of the right category, and the failure message names that breakdown."""
     module, queries = _tiny_mdlm_and_test_queries()
     tok = suite_tokenizer()
     category = {tok.convert_tokens_to_ids(w): c for c, ws in CATEGORIES.items() for w in ws}
