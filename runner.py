@@ -54,6 +54,15 @@ def compose(experiment: str | None, overrides=(), output_dir: str | Path | None 
     return cfg
 
 
+def run_experiment(experiment: str, tmp_path, overrides: list[str] = ("debug=smoke",), logger: str = "csv"):
+    """Run one experiment in-process, as ``python run.py experiment=<experiment> <overrides>`` would, writing into
+    ``tmp_path``; returns (optimized metric, metrics.json contents). Tests and benchmarks use it."""
+    cfg = compose(experiment, [*overrides, f"logger={logger}", "callbacks.progress_bar=null"], output_dir=tmp_path)
+    value = run(cfg)
+    metrics = json.loads((Path(tmp_path) / "metrics.json").read_text())
+    return value, metrics
+
+
 def run_dirname(overrides: str, max_len: int = 160) -> str:
     """A run dir name from ``hydra.job.override_dirname``: readable, deterministic, within a filename's limit.
 

@@ -5,7 +5,7 @@ time), then one section per paper: the claims table, its figures and the command
 a benchmark itself unless asked:
 
     python -m benchmarks.report                      # render from the committed JSON
-    python -m benchmarks.report --run qat_law        # run benchmarks.qat_law first (it writes its JSON), then render
+    python -m benchmarks.report --run qat_law        # run lightning_modules.qat_law.benchmark first (it writes its JSON), then render
     python -m benchmarks.report --wandb              # also log every claim as one wandb.Table plus the figures
 """
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """The one results schema every paper benchmark writes, and its writer.
 
-``python -m benchmarks.<paper>`` ends in :func:`run_benchmark`, which times the benchmark's ``main``, asks the
-benchmark's ``claims`` function for its claims (derived from the measured numbers, never hard-coded) and writes
-``benchmarks/results/<paper>.json`` with its figures (PNG) beside it, named ``<paper>_*.png``::
+``python -m benchmarks <paper>`` (the paper's ``lightning_modules/<paper>/benchmark.py``) ends in
+:func:`run_benchmark`, which times the benchmark's ``main``, asks the benchmark's ``claims`` function for its claims
+(derived from the measured numbers, never hard-coded) and writes ``benchmarks/results/<paper>.json`` with its
+figures (PNG) beside it, named ``<paper>_*.png``::
 
-    {"schema": 1, "paper": "ps_ppo", "command": "python -m benchmarks.ps_ppo ...", "commit": "1a2b3c4 (dirty)",
+    {"schema": 1, "paper": "ps_ppo", "command": "python -m benchmarks ps_ppo ...", "commit": "1a2b3c4 (dirty)",
      "machine": {"cores": 2, "device": "cpu", "torch": "2.x"}, "date": "...", "wall_s": 812.3,
      "figures": ["ps_ppo_memory.png"],
      "claims": [{"id": "peak_memory", "quote": "large reductions in ... peak GPU memory",
@@ -248,10 +249,8 @@ def run_benchmark(paper: str, main: Callable[[list[str]], Any], claims: Callable
     try:
         result = main(argv)
     except ModuleNotFoundError as err:
-        raise SystemExit(f"benchmarks.{paper}: {missing_extra(err)}") from None
+        raise SystemExit(f"benchmarks {paper}: {missing_extra(err)}") from None
     found, figures = claims(result, argv)
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    module = spec.name if spec is not None and spec.name.startswith("benchmarks.") else f"benchmarks.{paper}"
     return write_results(paper, found, wall_s=time.perf_counter() - t0, figures=figures,
-                         command=" ".join(["python -m", module, *argv]), out_dir=out_dir, wandb=wandb,
+                         command=" ".join(["python -m benchmarks", paper, *argv]), out_dir=out_dir, wandb=wandb,
                          commit=commit)

@@ -1,6 +1,7 @@
 """Each paper's main tables and the paper-scale experiments or sweeps that reproduce them.
 
-``benchmarks/tables/<paper>.yaml`` lists a paper's main tables (id, what, sweeps); every paper-scale experiment names
+``lightning_modules/<paper>/tables.yaml`` lists a paper's main tables (id, what, sweeps; the shared core's are in
+``benchmarks/core_tables.yaml``); every paper-scale experiment names
 the ids it reproduces in its ``paper:`` header (``paper.reproduces``). This module joins the two for the report and
 for ``tests/test_paper_scale.py``. It composes configs with Hydra (no torch, no Lightning).
 """
@@ -12,7 +13,6 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-TABLES = ROOT / "benchmarks" / "tables"
 CONF = ROOT / "conf"
 # Runs executed at paper scale so far (experiment names). None: these machines have no GPU node.
 EXECUTED: frozenset[str] = frozenset()
@@ -29,16 +29,10 @@ def paper_scale_experiments() -> list[str]:
 
 @lru_cache(maxsize=None)
 def composed(experiment: str):
-    """The config ``python run.py experiment=<name>`` runs (no Hydra runtime keys resolved)."""
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    """The config ``python run.py experiment=<name>`` runs (``runner.compose``, cached: it is read many times)."""
+    from runner import compose
 
-    from runner import register_resolvers
-
-    register_resolvers()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("run", overrides=[f"experiment={experiment}"])
+    return compose(experiment)
 
 
 def reproduces(header) -> list[str]:
@@ -46,17 +40,23 @@ def reproduces(header) -> list[str]:
     return [ids] if isinstance(ids, str) else list(ids)
 
 
+def table_files() -> dict[str, Path]:
+    """paper -> the file listing its main tables: each paper package's ``tables.yaml``, and the core's."""
+    files = {p.parent.name: p for p in sorted((ROOT / "lightning_modules").glob("*/tables.yaml"))}
+    return {"core": ROOT / "benchmarks" / "core_tables.yaml", **files}
+
+
 def load_tables() -> dict[str, list[dict]]:
-    """paper -> its main tables, from ``benchmarks/tables/<paper>.yaml``."""
+    """paper -> its main tables, from :func:`table_files`."""
     out = {}
-    for path in sorted(TABLES.glob("*.yaml")):
+    for paper, path in table_files().items():
         doc = yaml.safe_load(path.read_text())
-        if doc.get("paper") != path.stem or not isinstance(doc.get("tables"), list):
-            raise ValueError(f"{path.relative_to(ROOT)}: needs `paper: {path.stem}` and a `tables:` list")
+        if doc.get("paper") != paper or not isinstance(doc.get("tables"), list):
+            raise ValueError(f"{path.relative_to(ROOT)}: needs `paper: {paper}` and a `tables:` list")
         for t in doc["tables"]:
             if not {"id", "what"} <= set(t):
                 raise ValueError(f"{path.relative_to(ROOT)}: every table needs an id and a what ({t})")
-        out[path.stem] = doc["tables"]
+        out[paper] = doc["tables"]
     return out
 
 

@@ -10,8 +10,8 @@ instemb / esr / real_vqa next.
   test_fraction=0.0, **options) -> list[pair]``. With ``split``, only items whose content key hashes into that
   split (``datamodules.common.splits``), so held-out items never reach training or a warm-up. Built in:
   ``arithmetic`` and ``word_problems`` (``datamodules.verifiable``, prompt ``"Question: ...\\nAnswer:"``,
-  response ``" " + solution``). A paper's module registers its own on import; ``PROVIDERS`` names that module so
-  the name resolves before it is imported.
+  response ``" " + solution``). A paper registers its own in its ``data.py`` on import; an unknown name first
+  imports every paper ``data.py`` that registers generators, so a name resolves before its paper is imported.
 - **Files** (:func:`load_pairs`): jsonl / parquet through ``datamodules.common.loaders.load_local``; a jsonl record
   missing a field fails with ``file:line``. The prompt text is ``prompt + " " + input`` when an input field is set
   and non-empty (Alpaca-style records).
@@ -32,9 +32,6 @@ from datamodules.common.loaders import MalformedRecordError
 
 Pair = dict[str, Any]
 GENERATORS: dict[str, Callable[..., list[Pair]]] = {}
-# name -> module that registers it on import (a paper's generators live with its data module)
-PROVIDERS: dict[str, str] = {"vault": "datamodules.spard", "spard_aligned": "datamodules.spard",
-                             "esr_explain": "datamodules.esr"}
 
 # Prompt templates (``{prompt}`` is the instruction text). ``alpaca`` is the Alpaca instruction/response layout.
 TEMPLATES = {
@@ -61,11 +58,19 @@ def register_generator(name: str):
     return deco
 
 
+def discover_generators() -> None:
+    """Import each paper's ``data.py`` that registers generators (found on disk: the data layer names no paper)."""
+    root = Path(__file__).resolve().parents[1] / "lightning_modules"
+    for path in sorted(root.glob("*/data.py")):
+        if "@register_generator(" in path.read_text():
+            importlib.import_module(f"lightning_modules.{path.parent.name}.data")
+
+
 def get_generator(name: str) -> Callable[..., list[Pair]]:
-    if name not in GENERATORS and name in PROVIDERS:
-        importlib.import_module(PROVIDERS[name])
     if name not in GENERATORS:
-        raise ValueError(f"no instruction generator {name!r}: choose one of {', '.join(sorted({*GENERATORS, *PROVIDERS}))}")
+        discover_generators()
+    if name not in GENERATORS:
+        raise ValueError(f"no instruction generator {name!r}: choose one of {', '.join(sorted(GENERATORS))}")
     return GENERATORS[name]
 
 

@@ -5,11 +5,10 @@ Every job dir holds ``metrics.json`` (written by the runner, also on failure) an
 is reported and left out, never fatal. A job is a dict with its dir, overrides, seed, status, the metrics file
 and ``flat`` (overrides + final metrics + parameter counts, one row per job: what a generic law fits).
 
-Papers whose jobs produce several rows (one per variant) give a table builder here; ``qat_table`` reads
-``results.qat_law.rows`` and pairs every row with the full-precision row of the same (N, D, seed), from the same
-job when it has one, else from any job (paper scale trains the twin as its own job).
+A paper whose jobs produce other rows (one per variant, one per task) gives its own table builder with its law
+(``lightning_modules/<paper>/law.py``: ``sweeps.laws.Study.table``); ``--law`` picks it::
 
-    python -m sweeps.collect logs/multirun/qat_law_tiny --out table.csv [--qat]
+    python -m sweeps.collect logs/multirun/qat_law_tiny --out table.csv [--law qat_delta]
 """
 from __future__ import annotations
 
@@ -18,6 +17,8 @@ import json
 from pathlib import Path
 
 import pandas as pd
+
+from sweeps.laws import study_for
 
 
 def _yaml(path: Path):
@@ -56,40 +57,9 @@ def collect(*dirs) -> tuple[list[dict], list[dict]]:
     return jobs, failures
 
 
-def qat_table(jobs: list[dict]) -> pd.DataFrame:
-    """One row per (job, variant): N, D, seed, precision, bits, group_size, loss, delta (vs the fp twin)."""
-    rows = []
-    for job in jobs:
-        res = job["metrics"].get("results", {}).get("qat_law")
-        if not res:
-            continue
-        for r in res["rows"]:
-            rows.append({"N": res["N"], "D": res["D"], "seed": job["seed"], **r, "job": job["dir"]})
-    table = pd.DataFrame(rows)
-    if table.empty:
-        return table
-    return add_deltas(table)
-
-
-def error_table(jobs: list[dict]) -> pd.DataFrame:
-    """One row per (job, task, format, n) of an error_law job (``results.error_law.rows``): n, k right of m,
-    acc, plus the job's model, seed and overrides (so a sweep's cells stay apart)."""
-    rows = []
-    for job in jobs:
-        res = job["metrics"].get("results", {}).get("error_law")
-        if not res:
-            continue
-        extra = {k: v for k, v in job["flat"].items() if k in ("seed",) or "." in k}  # the overrides
-        for r in res["rows"]:
-            rows.append({**extra, "model": res.get("model"), **r, "job": job["dir"]})
-    return pd.DataFrame(rows)
-
-
-def infolaw_table(jobs: list[dict]) -> pd.DataFrame:
-    """One row per job from ``results.infolaw``: N, D, per bucket w_k, U_k, s_k, D_k, e_k, and the clean test loss."""
-    rows = [{**job["metrics"]["results"]["infolaw"], "seed": job["seed"], "job": job["dir"]}
-            for job in jobs if job["metrics"].get("results", {}).get("infolaw")]
-    return pd.DataFrame(rows)
+def flat_table(jobs: list[dict]) -> pd.DataFrame:
+    """One row per job: its overrides, final metrics and parameter counts (what a generic law fits)."""
+    return pd.DataFrame([j["flat"] for j in jobs])
 
 
 def add_deltas(table: pd.DataFrame, keys=("N", "D", "seed"), reference: str = "fp", by: str = "precision",
@@ -111,11 +81,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="collect multirun dirs into one table")
     ap.add_argument("dirs", nargs="+")
     ap.add_argument("--out", required=True, help="a .csv or .parquet path")
-    ap.add_argument("--qat", action="store_true", help="one row per QAT variant (results.qat_law.rows)")
-    ap.add_argument("--infolaw", action="store_true", help="one row per mixture job (results.infolaw)")
+    ap.add_argument("--law", default=None, help="the rows the law's paper collects (e.g. qat_delta: one row per QAT "
+                    "variant; infolaw: one per mixture job); default: one row per job")
     args = ap.parse_args(argv)
     jobs, failures = collect(*args.dirs)
-    table = qat_table(jobs) if args.qat else infolaw_table(jobs) if args.infolaw else pd.DataFrame([j["flat"] for j in jobs])
+    builder = study_for(args.law).table if args.law else None
+    table = (builder or flat_table)(jobs)
     for f in failures:
         print(f"excluded failed job {f['dir']}: {f['status'][:200]}")
     (table.to_parquet if args.out.endswith(".parquet") else table.to_csv)(args.out, index=False)

@@ -1,4 +1,5 @@
-"""Fit a scaling law (``sweeps/laws.py``) to a collected sweep table, report it, plot it.
+"""Fit a scaling law (``sweeps/laws.py``; a paper's own in ``lightning_modules/<paper>/law.py``) to a collected
+sweep table, report it, plot it.
 
 The fit: rows whose target is ≤ 0 are dropped (and reported: a log law cannot hold them); then the law's objective
 (``Law.objective``: a Huber loss on log residuals unless a law says otherwise) is minimised by L-BFGS from every
@@ -10,12 +11,14 @@ Parameters the data cannot identify (the exponent of an input with a single valu
 constants, R² of log target on the fitted rows, and the relative error on held-out corners (the rows at the
 largest N and D, left out of the fit).
 
-CLI (collects multirun dirs or reads a CSV; writes <out>.csv, <out>_fit.json, <out>_fit.md, <out>.png)::
+CLI (collects multirun dirs or reads a CSV; writes <out>.csv, <out>_fit.json, <out>_fit.md, <out>.png); the law's
+paper may give its own table, report, markdown and plot (``sweeps.laws.Study``), else the generic ones here::
 
     python -m sweeps.fit logs/multirun/qat_law_tiny logs/multirun/qat_law_tiny_decomp --law qat_delta \\
         --out sweeps/results/qat_law_tiny
     python -m sweeps.fit table.csv --law chinchilla --where precision=fp
-    python -m sweeps.fit logs/multirun/qat_law_tiny_seeds --bootstrap 1000 --out sweeps/results/qat_law_tiny_seeds
+    python -m sweeps.fit logs/multirun/qat_law_tiny_seeds --law qat_delta --bootstrap 1000 \\
+        --out sweeps/results/qat_law_tiny_seeds
 
 ``--bootstrap B`` (several seeds per cell): the law is fitted to the cell means over seeds and refitted on B
 resamples of each cell's seeds; every exponent gets a bootstrap SE and a 90% percentile interval (``--level``).
@@ -31,7 +34,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from sweeps.laws import LAWS, Law, get_law
+from sweeps.laws import Law, get_law, law_class, study_for
 
 
 @dataclass
@@ -327,146 +330,6 @@ def sign_verdict(lo: float, hi: float, sign: int) -> str:
     return "inconclusive"
 
 
-# --- the error-law report (accuracy laws fitted to counts) -------------------------------------------------
-ERROR_LAWS = ("error_gamma", "error_gamma_q", "exponential", "logistic_log_n")
-
-
-def binomial_stats(law: Law | str, theta, df: pd.DataFrame) -> dict:
-    """Goodness of fit of an accuracy law on count rows (n, k, m): deviance, Pearson χ², AIC = deviance + 2·params
-    (the binomial AIC up to a constant of the data, so laws compare on the same rows) and the mean |Acc − k/m|."""
-    law = get_law(law) if isinstance(law, str) else law
-    X = {c: torch.tensor(df[c].to_numpy(dtype=np.float64)) for c in (*law.inputs, *law.counts)}
-    th = torch.as_tensor(np.asarray(theta, dtype=np.float64))
-    with torch.no_grad():
-        dev = float(law.objective(th, X, None, 0.0))
-        p = torch.exp(law.log_acc(th, X["n"])).numpy()
-    k, m = df["k"].to_numpy(dtype=np.float64), df["m"].to_numpy(dtype=np.float64)
-    var = np.clip(m * p * (1 - p), 1e-12, None)
-    return {"deviance": dev, "chi2": float(((k - m * p) ** 2 / var).sum()), "aic": dev + 2 * len(law.params),
-            "rows": len(df), "mean_abs_err": float(np.abs(p - k / m).mean())}
-
-
-def error_report(table: pd.DataFrame, laws=ERROR_LAWS, by=("task", "format")) -> dict:
-    """Per ``by`` group of count rows (n, k, m): every law fitted by binomial maximum likelihood on all rows (its
-    constants, deviance, χ², AIC) and again without the largest n, which it then predicts (held-out deviance and
-    |Acc − k/m| there); a group whose answers are all right or all wrong is skipped. ``best`` names the law with the lowest AIC and the one with the lowest held-out deviance."""
-    table = table.assign(acc=table["k"] / table["m"])
-    keys = [c for c in by if c in table]
-    out: dict = {"groups": {}, "skipped": {}}
-    for name, sub in (table.groupby(keys, dropna=False) if keys else [((), table)]):
-        label = "/".join(map(str, name if isinstance(name, tuple) else (name,))) or "all"
-        sub = sub.groupby("n", as_index=False)[["k", "m"]].sum().assign(acc=lambda t: t["k"] / t["m"])
-        if (sub["k"] == 0).all() or (sub["k"] == sub["m"]).all():  # every law fits it perfectly: nothing to compare
-            out["skipped"][label] = (f"degenerate: every answer {'wrong' if (sub['k'] == 0).all() else 'right'} at "
-                                     f"n = {sorted(sub['n'].tolist())}; move n_grid (or train longer) so accuracy spans")
-            continue
-        group: dict = {}
-        hold = sub["n"].to_numpy() == sub["n"].max()
-        for law_name in laws:
-            law = get_law(law_name)
-            try:
-                full = fit_law(law, sub, holdout=None)
-                part = fit_law(law, sub, holdout=hold) if len(sub) > len(law.params) + 1 else None
-            except ValueError as err:
-                out["skipped"][f"{label} {law_name}"] = str(err)
-                continue
-            entry = {"constants": full.constants, "theta": full.theta, **binomial_stats(law, full.theta, sub)}
-            if part is not None:
-                held = binomial_stats(law, part.theta, sub[hold])
-                entry.update(heldout_n=float(sub["n"].max()), heldout_deviance=held["deviance"],
-                             heldout_abs_err=held["mean_abs_err"], heldout_constants=part.constants)
-            group[law_name] = entry
-        if group:
-            out["groups"][label] = {"laws": group, "rows": sub.to_dict("records"),
-                                    "best_aic": min(group, key=lambda k: group[k]["aic"]),
-                                    "best_heldout": min((k for k in group if "heldout_deviance" in group[k]),
-                                                        key=lambda k: group[k]["heldout_deviance"], default=None)}
-    return out
-
-
-def error_markdown(report: dict) -> str:
-    lines = ["| group | law | constants | deviance | χ² | AIC | held-out n | held-out deviance | held-out abs err |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for label, g in report["groups"].items():
-        for name, f in g["laws"].items():
-            consts = ", ".join(f"{k}={v:.4g}" for k, v in f["constants"].items() if not k.startswith(("log_", "logit_")))
-            held = [f"{f[k]:.4g}" if k in f else "—" for k in ("heldout_n", "heldout_deviance", "heldout_abs_err")]
-            lines.append(f"| {label} | {name} | {consts} | {f['deviance']:.4g} | {f['chi2']:.4g} | {f['aic']:.4g} | "
-                         + " | ".join(held) + " |")
-    for name, why in report["skipped"].items():
-        lines.append(f"| {name} | skipped: {why} | | | | | | | |")
-    return "\n".join(lines) + "\n"
-
-
-# --- the QAT-law report ------------------------------------------------------------------------------------
-# the paper's signs of the δ law's exponents: δ = k·D^γ_D·(log₂G)^γ_G / N^γ_N with every γ > 0
-QAT_SIGNS = (("dδ/dN < 0", "gamma_N", 1), ("dδ/dD > 0", "gamma_D", 1), ("dδ/dG > 0", "gamma_G", 1))
-
-
-def qat_report(table: pd.DataFrame, huber_delta: float | None = None, n_boot: int = 0, by: str = "seed",
-               level: float = 0.9) -> dict:
-    """δ fits per precision, the Chinchilla fit of the full-precision rows, and the paper's sign claims; with
-    ``n_boot`` > 0 and several ``by`` replicates, each δ law is also bootstrapped over them (``bootstrap_fit``) and
-    the signs are judged by their ``level`` intervals."""
-    out: dict = {"fits": {}, "skipped": {}, "claims": {}, "bootstrap": {}}
-    rows = table[table["precision"] != "fp"]
-    for prec, sub in rows.groupby("precision"):
-        sub = sub.rename(columns={"group_size": "G"})
-        try:
-            out["fits"][prec] = asdict(fit_law("qat_delta", sub, huber_delta))
-        except ValueError as err:
-            out["skipped"][prec] = str(err)
-        if n_boot and by in sub and sub[by].nunique() > 1:
-            try:
-                out["bootstrap"][prec] = bootstrap_fit("qat_delta", sub, n_boot, by, level, huber_delta=huber_delta)
-            except ValueError as err:
-                out["skipped"][f"{prec} (bootstrap)"] = str(err)
-    fp = table[table["precision"] == "fp"].drop_duplicates(subset=["N", "D", "seed"])
-    if fp["N"].nunique() >= 2 and fp["D"].nunique() >= 2 and len(fp) >= 6:
-        try:
-            out["fits"]["fp (chinchilla)"] = asdict(fit_law("chinchilla", fp, huber_delta))
-        except ValueError as err:
-            out["skipped"]["fp (chinchilla)"] = str(err)
-    else:
-        out["skipped"]["fp (chinchilla)"] = f"{len(fp)} full-precision cells: the Chinchilla part needs >= 6 over >= 2 N and 2 D"
-    fits = out["fits"]
-    if "w4a4" in fits:
-        c = fits["w4a4"]["constants"]
-        fr = fits["w4a4"]["frozen"]
-        boot = out["bootstrap"].get("w4a4", {}).get("params", {})
-        for claim, param, sign in QAT_SIGNS:
-            if param in boot:  # the interval decides: held / not_held / inconclusive
-                out["claims"][claim] = sign_verdict(boot[param]["lo"], boot[param]["hi"], sign)
-            else:
-                out["claims"][claim] = None if param in fr else bool(sign * c[param] > 0)
-    if "w4a16" in fits and "w16a4" in fits:
-        out["claims"]["γ_D(weight) > γ_D(activation)"] = bool(
-            fits["w4a16"]["constants"]["gamma_D"] > fits["w16a4"]["constants"]["gamma_D"])
-    a8 = table[table["precision"] == "w4a4_fc2a8"]
-    if len(a8):
-        keys = ["N", "D", "seed", "group_size"]
-        pair = a8.merge(table[table["precision"] == "w4a4"], on=keys, suffixes=("_a8", "_a4"))
-        if len(pair):
-            out["claims"]["FC2-A8 lowers the W4A4 error"] = bool((pair["delta_a8"] < pair["delta_a4"]).mean() > 0.5)
-            out["fc2a8_vs_w4a4_mean_delta"] = [float(pair["delta_a8"].mean()), float(pair["delta_a4"].mean())]
-    return out
-
-
-# --- data laws (infolaw): buckets and quality scores from the table's w_<k>, U_<k>, s_<k> columns ------------
-DATA_LAWS = ("infolaw", "muennighoff", "mixing")
-
-
-def data_law_options(table: pd.DataFrame, law: str) -> dict:
-    """The bucket names (from the w_<k> columns) and, for InfoLaw, each bucket's quality score s_<k>."""
-    buckets = [c[2:] for c in table.columns if c.startswith("w_")]
-    if not buckets:
-        raise ValueError(f"law {law!r} needs per-bucket columns w_<k>, U_<k> (sweeps.collect.infolaw_table builds them)")
-    options: dict = {"buckets": buckets}
-    if law == "infolaw" and all(f"s_{k}" in table for k in buckets):
-        options["quality"] = [float(table[f"s_{k}"].iloc[0]) for k in buckets]
-    return options
-
-
 def markdown(report: dict) -> str:
     lines = ["| fit | constants | R² (log) | rows | held-out rel. err | dropped (target ≤ 0) |", "|---|---|---|---|---|---|"]
     for name, f in report["fits"].items():
@@ -474,7 +337,7 @@ def markdown(report: dict) -> str:
         if f["frozen"]:
             consts += " (frozen: " + ", ".join(f["frozen"]) + ")"
         held = "—" if f["heldout_rel_err"] is None else f"{100 * f['heldout_rel_err']:.1f}% ({len(f['heldout'])} rows)"
-        if f.get("heldout_max_rel_err") is not None and f["law"] in DATA_LAWS:  # the InfoLaw metric: mean and max
+        if f.get("heldout_max_rel_err") is not None and law_class(f["law"]).heldout_max:  # mean and max
             held = f"{100 * f['heldout_rel_err']:.2f}% mean, {100 * f['heldout_max_rel_err']:.2f}% max ({len(f['heldout'])} rows)"
         lines.append(f"| {name} | {consts} | {f['r2_log']:.3f} | {f['n_fit']} | {held} | {len(f['dropped'])} |")
     for name, why in report["skipped"].items():
@@ -492,14 +355,37 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
+def law_options(table: pd.DataFrame, args) -> dict:
+    """The law's constructor options: what its paper's study reads off the table, then ``--option KEY=VALUE``."""
     import yaml
 
-    from sweeps.collect import collect, infolaw_table, qat_table
+    study = study_for(args.law)
+    options = study.options(table, args.law) if study.options else {}
+    return {**options, **{k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.option)}}
+
+
+def fit_report(table: pd.DataFrame, args) -> dict:
+    """The generic report: ``args.law`` fitted to the table (held-out rows per ``--holdout``), bootstrapped over
+    ``--by`` replicates (or over the fitted cells with ``--by cell``) when ``--bootstrap B``."""
+    law = get_law(args.law, **law_options(table, args))
+    holdout = args.holdout or "corner"
+    report = {"fits": {args.law: asdict(fit_law(law, table, args.huber_delta, holdout=holdout))},
+              "skipped": {}, "claims": {}, "bootstrap": {}}
+    if args.bootstrap and args.by == "cell":  # one seed per cell: resample the cells
+        report["bootstrap"][args.law] = case_bootstrap_fit(law, table, args.bootstrap, args.level,
+                                                           huber_delta=args.huber_delta, holdout=holdout)
+    elif args.bootstrap:
+        report["bootstrap"][args.law] = bootstrap_fit(law, table, args.bootstrap, args.by, args.level,
+                                                      huber_delta=args.huber_delta)
+    return report
+
+
+def main(argv=None) -> int:
+    from sweeps.collect import collect, flat_table
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("sources", nargs="+", help="multirun dirs (collected) or one CSV table")
-    ap.add_argument("--law", default="qat_delta", help="qat_delta (the QAT report) | chinchilla | any in sweeps/laws.py")
+    ap.add_argument("--law", required=True, help="chinchilla | any law a paper registers (lightning_modules/*/law.py)")
     ap.add_argument("--where", action="append", default=[], help="column=value filters (repeatable)")
     ap.add_argument("--huber-delta", type=float, default=None)
     ap.add_argument("--bootstrap", type=int, default=0, metavar="B",
@@ -524,49 +410,26 @@ def main(argv=None) -> int:
                                    save_dir=args.out and str(Path(args.out).parent) or "."))
         loggers[0].log_hyperparams(vars(args))
 
+    study = study_for(args.law)
     if len(args.sources) == 1 and args.sources[0].endswith(".csv"):
         table, failures = pd.read_csv(args.sources[0]), []
     else:
         jobs, failures = collect(*args.sources)
-        table = qat_table(jobs) if args.law == "qat_delta" else infolaw_table(jobs) if args.law in DATA_LAWS \
-            else pd.DataFrame([j["flat"] for j in jobs])
-        if getattr(LAWS.get(args.law), "counts", ()):
-            from sweeps.collect import error_table
-
-            table = error_table(jobs)
+        table = study.table(jobs) if study.table else flat_table(jobs)
     for cond in args.where:
         col, val = cond.split("=", 1)
         table = table[table[col].astype(str) == val]
     for f in failures:
         print(f"excluded failed job {f['dir']}: {f['status'][:200]}")
-    if getattr(LAWS.get(args.law), "counts", ()):  # accuracy laws on count rows (error_law): their own report
-        return error_main(args, table, failures)
-    if args.law == "qat_delta":
-        report = qat_report(table, args.huber_delta, args.bootstrap, args.by, args.level)
-    else:
-        options = {k: yaml.safe_load(v) for k, v in (o.split("=", 1) for o in args.option)}
-        if args.law in DATA_LAWS:
-            options = {**data_law_options(table, args.law), **options}
-        law = get_law(args.law, **options)
-        report = {"fits": {args.law: asdict(fit_law(law, table, args.huber_delta, holdout=args.holdout or "corner"))},
-                  "skipped": {}, "claims": {}, "bootstrap": {}}
-        if args.bootstrap and args.by == "cell":  # one seed per cell: resample the cells
-            report["bootstrap"][args.law] = case_bootstrap_fit(law, table, args.bootstrap, args.level,
-                                                               huber_delta=args.huber_delta, holdout=args.holdout or "corner")
-        elif args.bootstrap:
-            report["bootstrap"][args.law] = bootstrap_fit(law, table, args.bootstrap, args.by, args.level,
-                                                          huber_delta=args.huber_delta)
+    report = (study.report or fit_report)(table, args)
     report["failed_jobs"] = [{"dir": f["dir"], "status": f["status"]} for f in failures]
-    text = markdown(report)
+    text = (study.markdown or markdown)(report)
     print(text)
     if args.out:
-        from sweeps.plot import plot_mixture, plot_report
+        from sweeps.plot import plot_fit
 
         png = write_outputs(args.out, table, report, text)
-        if args.law in DATA_LAWS:
-            plot_mixture(table, law, report["fits"][args.law]["theta"], png, law.buckets[0], loggers=loggers)
-        else:
-            plot_report(table, report, png, loggers=loggers)
+        (study.plot or plot_fit)(table, report, png, args, loggers)
         print(f"wrote {args.out}.csv, {args.out}_fit.json, {args.out}_fit.md, {png}")
     if loggers:
         import wandb
@@ -574,7 +437,7 @@ def main(argv=None) -> int:
         from lightning_modules.common.dashboard import log_table
 
         log_table("law/table", table.to_dict("records"), loggers)
-        loggers[0].experiment.summary.update({f"{name}/{k}": v for name, f in report["fits"].items()
+        loggers[0].experiment.summary.update({f"{name}/{k}": v for name, f in report.get("fits", {}).items()
                                               for k, v in f["constants"].items()})
         wandb.finish()
     return 0
@@ -588,22 +451,6 @@ def write_outputs(out: str | Path, table: pd.DataFrame, report: dict, text: str)
     out.with_name(out.name + "_fit.json").write_text(json.dumps(report, indent=2, default=float))
     out.with_name(out.name + "_fit.md").write_text(text)
     return out.with_name(out.name + ".png")
-
-
-def error_main(args, table: pd.DataFrame, failures: list[dict]) -> int:
-    """``--law error_gamma`` (or any count law): that law and the other accuracy laws per (model, task, format)."""
-    by = tuple(c for c in ("model", "task", "format") if c in table and table[c].nunique(dropna=False) > 1) or ("task", "format")
-    report = error_report(table, (args.law, *(law for law in ERROR_LAWS if law != args.law)), by=by)
-    report["failed_jobs"] = [{"dir": f["dir"], "status": f["status"]} for f in failures]
-    text = error_markdown(report)
-    print(text)
-    if args.out:
-        from sweeps.plot import plot_accuracy
-
-        png = write_outputs(args.out, table, report, text)
-        plot_accuracy(report, png, law=args.law)
-        print(f"wrote {args.out}.csv, {args.out}_fit.json, {args.out}_fit.md, {png}")
-    return 0
 
 
 if __name__ == "__main__":

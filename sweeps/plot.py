@@ -1,8 +1,8 @@
 """Fitted law curves against the measured points (PNG; also to the given loggers, e.g. the sweep's W&B run).
 
-``plot_report(table, report, path)``: for the QAT report one panel per quantized precision (δ against D, log-log,
-one colour per N, one marker per G, the fitted law as lines through the measured D range) plus, when fitted,
-the full-precision loss against D with its Chinchilla curve. ``plot_law(ax, law, theta, ...)`` draws any law.
+``ax_law(ax, table, fit, law, target, series)`` draws any law of (N, D, …) against D on one axis (one colour per N,
+one marker per value of a second series); ``plot_fit`` is the generic figure of ``sweeps.fit`` (a paper's study may
+draw its own, with ``save_figure`` to write and log it).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from sweeps.laws import get_law
 _MARKERS = "os^DvP*X"
 
 
-def _ax_law(ax, table: pd.DataFrame, fit: dict | None, law_name: str, target: str, series: tuple[str, ...]):
+def ax_law(ax, table: pd.DataFrame, fit: dict | None, law_name: str, target: str, series: tuple[str, ...]):
     import matplotlib.pyplot as plt
 
     law = get_law(law_name)
@@ -44,107 +44,28 @@ def _ax_law(ax, table: pd.DataFrame, fit: dict | None, law_name: str, target: st
     ax.set_xlabel("D (training tokens)")
 
 
-def plot_report(table: pd.DataFrame, report: dict, path, wandb_key: str = "qat_law/fit", loggers=()):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    order = {"w4a4": 0, "w4a16": 1, "w16a4": 2, "w4a4_fc2a8": 3}
-    precisions = sorted((p for p in table["precision"].unique() if p != "fp"), key=lambda p: (order.get(p, 9), p))
-    chin = report["fits"].get("fp (chinchilla)")
-    panels = len(precisions) + 1
-    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.8), squeeze=False)
-    for ax, prec in zip(axes[0], precisions):
-        sub = table[table["precision"] == prec].rename(columns={"group_size": "G"})
-        fit = report["fits"].get(prec)
-        _ax_law(ax, sub, fit, "qat_delta", "delta", ("N", "G"))
-        title = prec if fit is None else f"{prec}: γ_D={fit['constants']['gamma_D']:.2f} γ_G={fit['constants']['gamma_G']:.2f} γ_N={fit['constants']['gamma_N']:.2f}"
-        ax.set_title(title, fontsize=8)
-        ax.set_ylabel("δ = L_quant − L_fp")
-        ax.legend(fontsize=6)
-    fp = table[table["precision"] == "fp"].drop_duplicates(subset=["N", "D", "seed"])
-    _ax_law(axes[0][-1], fp, chin, "chinchilla", "loss", ("N",))
-    axes[0][-1].set_title("full precision" + (" + Chinchilla fit" if chin else " (too few cells to fit)"), fontsize=8)
-    axes[0][-1].set_ylabel("held-out loss")
-    axes[0][-1].legend(fontsize=6)
+def save_figure(fig, path, key: str, loggers=()) -> Path:
+    """Lay out, write ``path`` (PNG) and log the figure under ``key`` to ``loggers``; closes it."""
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     from lightning_modules.common.dashboard import log_figure
 
-    log_figure(wandb_key, fig, loggers)  # closes it
+    log_figure(key, fig, loggers)  # closes it
     return path
 
 
-
-def plot_mixture(table: pd.DataFrame, law, theta, path, bucket: str, loggers=(), key: str = "infolaw/fit"):
-    """Loss against the weight of ``bucket`` (one panel per N, one colour per D): the measured cells and the fitted
-    data law (``law``: an instance, as its options carry the buckets) along the weight of that bucket."""
+def plot_fit(table: pd.DataFrame, report: dict, path, args, loggers=()) -> Path:
+    """The law's target against D with its fitted curves (one colour per N)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    Ns, Ds = sorted(table["N"].unique()), sorted(table["D"].unique())
-    others = [c[2:] for c in table.columns if c.startswith("w_") and c != f"w_{bucket}"]
-    colours = plt.cm.viridis(np.linspace(0, 0.9, max(1, len(Ds))))
-    fig, axes = plt.subplots(1, len(Ns), figsize=(4.2 * len(Ns), 3.8), squeeze=False)
-    grid = np.linspace(0.02, 0.98, 60)
-    for ax, n in zip(axes[0], Ns):
-        for c, d in zip(colours, Ds):
-            sub = table[(table["N"] == n) & (table["D"] == d)].sort_values(f"w_{bucket}")
-            ax.scatter(sub[f"w_{bucket}"], sub["loss"], color=c, s=14, label=f"D={d / 1e6:.2g}M")
-            if theta is not None and len(sub):
-                first = sub.iloc[0]
-                X = {col: np.full_like(grid, float(first[col])) for col in law.inputs if col in sub}
-                X[f"w_{bucket}"] = grid
-                for o in others:  # the rest split in the table's proportions
-                    X[f"w_{o}"] = (1 - grid) * float(first[f"w_{o}"]) / max(1e-12, 1 - float(first[f"w_{bucket}"]))
-                ax.plot(grid, law.predict(theta, X), color=c, lw=1)
-        ax.set(xlabel=f"w_{bucket}", ylabel="held-out loss", title=f"N={n / 1e3:.0f}k")
-        ax.legend(fontsize=6)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    from lightning_modules.common.dashboard import log_figure
-
-    log_figure(key, fig, loggers)
-    return path
-
-
-def plot_accuracy(report: dict, path, law: str = "error_gamma", others=("exponential", "logistic_log_n"),
-                  wandb_key: str = "error_law/fit", loggers=()):
-    """Accuracy against n, one panel per group of ``sweeps.fit.error_report``: the measured k/m with binomial
-    standard errors and the fitted ``law`` (solid) and ``others`` (dashed) over the measured range."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    groups = report["groups"]
-    fig, axes = plt.subplots(1, max(1, len(groups)), figsize=(4.0 * max(1, len(groups)), 3.4), squeeze=False)
-    for ax, (label, g) in zip(axes[0], groups.items()):
-        rows = pd.DataFrame(g["rows"])
-        acc = rows["k"] / rows["m"]
-        ax.errorbar(rows["n"], acc, yerr=np.sqrt(acc * (1 - acc) / rows["m"]), fmt="o", ms=3, color="k", label="measured")
-        grid = np.linspace(rows["n"].min(), rows["n"].max(), 100)
-        for name in (law, *others):
-            if name in g["laws"]:
-                ax.plot(grid, get_law(name).predict(g["laws"][name]["theta"], {"n": grid}),
-                        ls="-" if name == law else "--", lw=1, label=f"{name} (dev {g['laws'][name]['deviance']:.3g})")
-        ax.set_title(label, fontsize=8)
-        ax.set_xlabel("n (items processed)")
-        ax.set_ylabel("exact-match accuracy")
-        ax.set_ylim(-0.02, 1.02)
-        ax.legend(fontsize=6)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    from lightning_modules.common.dashboard import log_figure
-
-    log_figure(wandb_key, fig, loggers)  # closes it
-    return path
+    law = get_law(args.law)
+    fig, ax = plt.subplots(figsize=(4.6, 3.8))
+    ax_law(ax, table, report["fits"].get(args.law), args.law, law.target, ("N",))
+    ax.set_ylabel(law.target)
+    ax.legend(fontsize=6)
+    return save_figure(fig, path, f"{args.law}/fit", loggers)

@@ -16,9 +16,10 @@ import pytest
 import torch
 from scipy import special
 
-from datamodules.error_law import FORMATS, TASKS, ErrorLawDataModule, canonical, instance, problem, render
-from sweeps.fit import binomial_stats, error_report, fit_law
-from sweeps.laws import ErrorGammaLaw, gammainc, get_law
+from lightning_modules.error_law.data import FORMATS, TASKS, ErrorLawDataModule, canonical, instance, problem, render
+from lightning_modules.error_law.law import ErrorGammaLaw, binomial_stats, error_report, gammainc
+from sweeps.fit import fit_law
+from sweeps.laws import get_law
 from tests.helpers import run_experiment
 
 N_GRID = np.array([2, 4, 6, 8, 12, 16, 24, 32, 48, 64], dtype=np.float64)
@@ -306,7 +307,8 @@ def test_error_law_tiny_smoke(tmp_path):
 
 
 def test_error_table_and_fit_cli(tmp_path):
-    from sweeps.collect import collect, error_table
+    from lightning_modules.error_law.law import error_table
+    from sweeps.collect import collect
     from sweeps.fit import main
 
     rows = [{"task": "copy", "format": "plain", "n": float(n), "k": int(k), "m": 500, "acc": k / 500}

@@ -234,7 +234,7 @@ def test_planted_detectors_are_found_random_latents_not():
 # --- SFT data -----------------------------------------------------------------------------------------------------
 def test_sft_labels_mask_prompt_and_off_topic_span():
     from datamodules.common.tokenizer import corpus_tokenizer
-    from datamodules.esr import masked_batch, self_corrections
+    from lightning_modules.esr.data import masked_batch, self_corrections
 
     tok = corpus_tokenizer(512, "embedded")
     exs = self_corrections(10, 0.5, seed=3)
@@ -242,7 +242,7 @@ def test_sft_labels_mask_prompt_and_off_topic_span():
     for e in exs:
         if e["distractor"]:
             assert 2 <= e["distractor"].count(".") <= 4 and split_attempts(e["distractor"] + e["response"])[1:]
-    from datamodules.esr import SUBJECTS, load_prompts
+    from lightning_modules.esr.data import SUBJECTS, load_prompts
 
     shipped = load_prompts("shipped")
     assert len(SUBJECTS) == 50 and len(shipped) == 38 and all(p["prompt"].startswith("Explain how") for p in shipped)

@@ -106,7 +106,8 @@ def test_seed_override_changes_run_dir():
 
 
 def readme_rows() -> dict[str, int]:
-    text = (ROOT / "README.md").read_text()
+    """experiment -> rows naming it across README.md and the papers' READMEs."""
+    text = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "lightning_modules").glob("*/README.md"))])
     counts: dict[str, int] = {}
     for line in text.splitlines():
         m = re.match(r"^\|\s*`([A-Za-z0-9_.\-]+)`", line)
@@ -121,9 +122,10 @@ def test_readme_lists_every_experiment_once():
     missing = sorted(names - set(rows))
     extra = sorted(set(rows) - names)
     twice = sorted(n for n, c in rows.items() if c > 1)
-    assert not missing, f"README.md's experiment table lacks rows for {missing} (add '| `<name>` | paper | scale | purpose | command |')"
-    assert not extra, f"README.md lists experiments that conf/experiment does not have: {extra}"
-    assert not twice, f"README.md lists these experiments more than once: {twice}"
+    assert not missing, (f"no README row for {missing}: add '| `<name>` | paper | scale | purpose | command |' to "
+                         "lightning_modules/<paper>/README.md (README.md for the core)")
+    assert not extra, f"the READMEs list experiments that conf/experiment does not have: {extra}"
+    assert not twice, f"the READMEs list these experiments more than once: {twice}"
 
 
 def _cfg_job_once() -> tuple[float, float, subprocess.CompletedProcess]:

@@ -1,4 +1,4 @@
-"""Growth of MoE checkpoints (lightning_modules/common/growth.py, lightning_modules/growth/): index maps, function
+"""Growth of MoE checkpoints (lightning_modules/growth/operators.py, lightning_modules/growth/): index maps, function
 preservation of width growth (α = 0) and of depth growth with zerofy_output, the KV cache and save/reload of a grown
 model, parameter counts against the formula, the norm seam of stacking, symmetry breaking by the noise, bad input,
 snapshots, and growth_tiny end to end."""
@@ -9,7 +9,7 @@ import torch
 from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM,
                           OlmoeConfig, OlmoeForCausalLM)
 
-from lightning_modules.common.growth import (depth_index_map, expert_order, grow_depth, grow_width,
+from lightning_modules.growth.operators import (depth_index_map, expert_order, grow_depth, grow_width,
                                              layer_norm_profile, parameter_counts)
 from lightning_modules.growth import GrowthModule, chinchilla_flops
 

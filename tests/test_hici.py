@@ -488,7 +488,7 @@ def test_cached_generation_through_the_patch_matches_the_plain_model():
 def test_passkey_mix_plants_answers_at_the_rate_asked(tiny_tokenizer):
     import numpy as np
 
-    from datamodules.long_context import PasskeyMix
+    from lightning_modules.hici.data import PasskeyMix
     from datamodules.text import PackedTokens
 
     base = PackedTokens(np.arange(256 * 40, dtype=np.int64) % 500, 256)

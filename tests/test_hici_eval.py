@@ -26,7 +26,7 @@ def docs(tmp_path):
 
 
 def test_eval_stream_counts_filters_and_cuts(tiny_tokenizer, docs):
-    from datamodules.long_context import eval_stream
+    from lightning_modules.hici.data import eval_stream
 
     _, test, words = docs
     n_tok = [len(tiny_tokenizer(" ".join(["zebra"] * n), add_special_tokens=False)["input_ids"]) for n in words]
@@ -43,7 +43,7 @@ def test_eval_stream_counts_filters_and_cuts(tiny_tokenizer, docs):
 
 
 def test_long_context_data_scores_the_test_files_not_the_training_files(tiny_tokenizer, docs):
-    from datamodules.long_context import LongContextDataModule
+    from lightning_modules.hici.data import LongContextDataModule
 
     train, test, _ = docs
     zebra = set(tiny_tokenizer("zebra zebra", add_special_tokens=False)["input_ids"])
@@ -61,7 +61,7 @@ def test_long_context_data_scores_the_test_files_not_the_training_files(tiny_tok
 
 def test_shard_data_streams_windows_from_memmaps_and_scores_the_test_files(tiny_tokenizer, docs, tmp_path):
     from datamodules.common.shards import TokenShards
-    from datamodules.long_context import LongContextShardDataModule
+    from lightning_modules.hici.data import LongContextShardDataModule
 
     train, test, _ = docs
     dm = LongContextShardDataModule(tiny_tokenizer, files=str(train), shard_dir=str(tmp_path / "shards"), seq_len=32,
@@ -166,7 +166,7 @@ def test_generation_benchmarks_score_a_planted_answer(tiny_tokenizer, tmp_path, 
 
 
 def test_sft_data_masks_the_prompt_and_pads_to_the_multiple(tiny_tokenizer, tmp_path):
-    from datamodules.long_context import LongAlpacaDataModule, pad_collate
+    from lightning_modules.hici.data import LongAlpacaDataModule, pad_collate
 
     recs = [{"instruction": f"summarize doc {i}", "output": f"summary {i}"} for i in range(40)]
     (tmp_path / "la.json").write_text(json.dumps(recs))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lightning_modules.common.rl.advantages import grpo_advantages, scale_rewards, segment_gae
-from lightning_modules.common.rl.critic import ValueHead
+from lightning_modules.hista.critic import ValueHead
 from lightning_modules.common.rl.losses import cispo_terms, policy_loss
 from lightning_modules.hista.hista import (HistaConfig, ema_smooth, hista_token_advantages, hista_values, k_schedule,
                                            prefix_distances, state_positions)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from sweeps.fit import FitResult, case_bootstrap_fit, fit_law, holdout_mask
-from sweeps.laws import ChinchillaLaw, InfoLaw, MixingLaw, MuennighoffLaw, best_recipe, get_law, repetition
+from lightning_modules.infolaw.law import InfoLaw, MixingLaw, MuennighoffLaw, best_recipe, repetition
+from sweeps.laws import ChinchillaLaw, get_law
 
 TWO = dict(buckets=("hq", "lq"), quality=(1.0, 0.0))
 # planted constants (N₀ = 3e5): the tiny grid's losses land in 3.3-5.2, e_hq reaches 18
@@ -159,7 +160,7 @@ class _Vocab:
 
 
 def mixture(weights, buckets=None, train_tokens=40_000, seq_len=16, batch_size=8):
-    from datamodules.mixture import MixtureDataModule
+    from lightning_modules.infolaw.data import MixtureDataModule
 
     buckets = buckets or [{"name": "hq", "unique_tokens": 800, "quality": 1.0},
                           {"name": "lq", "unique_tokens": 8000, "quality": 0.0, "noise": 0.5}]
@@ -218,7 +219,8 @@ def test_bad_mixture_input_is_one_line():
 
 # --- sweep collection and the tiny experiment --------------------------------------------------------------
 def test_failed_sweep_job_is_reported_and_excluded(tmp_path):
-    from sweeps.collect import collect, infolaw_table
+    from lightning_modules.infolaw.law import infolaw_table
+    from sweeps.collect import collect
 
     row = {"N": 3e5, "D": 2e5, "w_hq": 0.5, "U_hq": 2e4, "w_lq": 0.5, "U_lq": 3e5, "loss": 4.2}
     for name, status in (("0", "ok"), ("1", "failed: RuntimeError: boom")):

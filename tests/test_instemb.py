@@ -164,7 +164,7 @@ def test_bad_input(kw, match):
 
 
 def test_data_splits_disjoint():
-    from datamodules.instemb import InstEmbDataModule, warmup_pairs
+    from lightning_modules.instemb.data import InstEmbDataModule, warmup_pairs
 
     dm = InstEmbDataModule(n_train=300, n_val=40, n_test=40)
     dm.setup()

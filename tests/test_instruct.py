@@ -61,7 +61,7 @@ def test_generators_registry_and_splits():
         return [{"prompt": word, "response": f" {word}{i}"} for i in range(n)]
 
     assert generate("echo_test", 2, 0, word="y") == [{"prompt": "y", "response": " y0"}, {"prompt": "y", "response": " y1"}]
-    assert get_generator("vault")  # provided by datamodules.spard, imported on first use
+    assert get_generator("vault")  # provided by lightning_modules.spard.data, imported on first use
     with pytest.raises(ValueError, match="no instruction generator 'nope'"):
         get_generator("nope")
 

@@ -1,4 +1,4 @@
-"""real_vqa's file-backed data (datamodules/kivqa_files.py, data.source=files): records, images, bad input, a run."""
+"""real_vqa's file-backed data (lightning_modules/real_vqa/data_files.py, data.source=files): records, images, bad input, a run."""
 from __future__ import annotations
 
 import json
@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from datamodules.kivqa import KIVQADataModule, to_pixels
-from datamodules.kivqa_files import load_splits
+from lightning_modules.real_vqa.data import KIVQADataModule, to_pixels
+from lightning_modules.real_vqa.data_files import load_splits
 
 P = ["Mount Fuji is in Japan.", "Fuji rises 3776 m.", "It last erupted in 1707.", "A fourth passage."]
 RED, BLUE = (200, 30, 30), (20, 40, 220)
@@ -145,7 +145,7 @@ def triple_records_base():
 
 
 def items_of(records):
-    from datamodules.kivqa_files import parse_record
+    from lightning_modules.real_vqa.data_files import parse_record
 
     return [parse_record(json.dumps(r), f"t:{n}", "realvqa", 3) for n, r in enumerate(records)]
 
@@ -158,7 +158,7 @@ def changed(old, new):
 def test_injection_true_on_the_pivot_false_off_it_ineligible_clean():
     import re
 
-    from datamodules.kivqa_files import _spans, inject_conflicts
+    from lightning_modules.real_vqa.data_files import _spans, inject_conflicts
     from lightning_modules.real_vqa.target import format_target, parse_output
 
     items = items_of(triple_records())
@@ -200,7 +200,7 @@ def test_injection_true_on_the_pivot_false_off_it_ineligible_clean():
 
 
 def test_injection_is_seeded_and_per_item():
-    from datamodules.kivqa_files import inject_conflicts
+    from lightning_modules.real_vqa.data_files import inject_conflicts
 
     items = items_of(triple_records())
     a, _ = inject_conflicts(items, 3)
@@ -218,7 +218,7 @@ def test_inject_switch_through_the_datamodule(tmp_path, caplog):
     root = tmp_path / "real_vqa"
     for split in ("train", "val", "test"):
         write(root, "realvqa", split, triple_records())
-    with caplog.at_level(logging.INFO, logger="datamodules.kivqa_files"):
+    with caplog.at_level(logging.INFO, logger="lightning_modules.real_vqa.data_files"):
         dm = KIVQADataModule(None, source="files", root=str(root), datasets=["realvqa"], inject=True, true_frac=1.0,
                              false_frac=0.0, seed=1)
     assert "data.inject test: 11 of 14 items eligible" in caplog.text
@@ -258,7 +258,7 @@ def annotator(replies):
 
 
 def test_parse_pivot_reads_json_in_prose_and_flags_the_rest():
-    from datamodules.kivqa_files import pivot_prompt
+    from lightning_modules.real_vqa.data_files import pivot_prompt
     from lightning_modules.common.judge import parse_pivot
 
     got = parse_pivot('Sure.\n```json\n{"entity": "Mount Fuji", "relation": "Country", "value": "Japan"}\n```')
@@ -271,7 +271,7 @@ def test_parse_pivot_reads_json_in_prose_and_flags_the_rest():
 
 
 def test_annotator_gives_plain_records_a_verified_pivot_cached_and_resumable(tmp_path):
-    from datamodules.kivqa_files import annotate_pivots
+    from lightning_modules.real_vqa.data_files import annotate_pivots
 
     P0 = ["Mount M0 lies in Peru.", "It is 3000 m high."]
     recs = [{**plain(0), "passages": P0, "answer": "Peru"},  # annotated: the value is stated in a passage
@@ -301,7 +301,7 @@ def test_annotator_gives_plain_records_a_verified_pivot_cached_and_resumable(tmp
     assert (counts2["cached"], counts2["annotated"], counts2["no_value"]) == (3, 1, 3)  # "Japan" is in no passage
     assert out2[0] == a
     # an annotated record is then eligible for the REAL-VQA injection like a Wikidata triple
-    from datamodules.kivqa_files import inject_conflicts
+    from lightning_modules.real_vqa.data_files import inject_conflicts
 
     pool = items_of(triple_records())
     planted, c = inject_conflicts([a], seed=0, true_frac=1.0, false_frac=0.0, pool=pool + [a])

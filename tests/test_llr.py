@@ -1,4 +1,4 @@
-"""LLR (lightning_modules/llr/, callbacks/llr.py): the estimator, the rate map, the groups, the ramped schedule,
+"""LLR (lightning_modules/llr/, lightning_modules/llr/callback.py): the estimator, the rate map, the groups, the ramped schedule,
 Muon, the betas switch, the baseline arms (LARS, LAMB, Sharpness), the edge-α order, the warmup-cosine step index, resume, tiny runs."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from callbacks.llr import LLR
+from lightning_modules.llr.callback import LLR
 from lightning_modules.llr import (BETAS, LARS, LLRModule, Lamb, MuonWithAdamW, RateSchedule, cpu_threads, esd,
                                    hill_alpha, llr_groups, llr_optimizer, lr_ratios, module_alphas)
 from lightning_modules.common.lm import warmup_cosine
@@ -407,7 +407,7 @@ def test_llr_tiny_smoke_and_exact_resume(tmp_path):
     checkpoint (mid-ramp, with recomputes still to come) ends with exactly the rates of the straight run."""
     from tests.helpers import run_experiment
 
-    common = ["debug=smoke", "callbacks.llr.every=4", "callbacks.llr.ramp_steps=3", "callbacks.llr.ratio=0.8"]
+    common = ["debug=smoke", "lightning_modules.llr.callback.every=4", "lightning_modules.llr.callback.ramp_steps=3", "lightning_modules.llr.callback.ratio=0.8"]
     mid = ["+callbacks.mid._target_=lightning.pytorch.callbacks.ModelCheckpoint", f"+callbacks.mid.dirpath={tmp_path}/mid",
            "+callbacks.mid.every_n_train_steps=9", "+callbacks.mid.save_top_k=-1", "+callbacks.mid.filename='s{step}'",
            "+callbacks.mid.auto_insert_metric_name=false"]
@@ -476,7 +476,7 @@ def test_zero_shot_suite_is_the_papers_seven_tasks(tmp_path):
 
     from tests.helpers import ROOT, compose
 
-    tables = {t["id"] for t in yaml.safe_load((ROOT / "benchmarks/tables/llr.yaml").read_text())["tables"]}
+    tables = {t["id"] for t in yaml.safe_load((ROOT / "lightning_modules/llr/tables.yaml").read_text())["tables"]}
     for name, size in (("llr_llama_1b_zero_shot", 2048), ("llr_llama_3b_zero_shot", 2560)):
         cfg = compose(name, [], output_dir=tmp_path)
         assert cfg.task == "test" and cfg.model.num_fewshot == 0 and cfg.backbone.config.hidden_size == size
@@ -495,7 +495,7 @@ def test_the_release_freeze_throws_away_the_last_alpha(seed):
     more than 5% on some group. Prints the per-group range of release / ours (README: 0.82-1.27x over seeds 0-2)."""
     from types import SimpleNamespace
 
-    from benchmarks.llr import batches, build
+    from lightning_modules.llr.benchmark import batches, build
     from datamodules.common.tokenizer import corpus_tokenizer
     from datamodules.text import TextDataModule
 

@@ -304,7 +304,7 @@ def test_sweep_fit_logs_its_table_and_plot_to_wandb(tmp_path, monkeypatch):
               ignore_index=True).to_csv(tmp_path / "t.csv", index=False)
     logged = []
     monkeypatch.setattr(wandb.sdk.wandb_run.Run, "log", lambda self, data, *a, **k: logged.append(data))
-    assert main([str(tmp_path / "t.csv"), "--out", str(tmp_path / "out"), "--wandb"]) == 0
+    assert main([str(tmp_path / "t.csv"), "--law", "qat_delta", "--out", str(tmp_path / "out"), "--wandb"]) == 0
     assert wandb.run is None  # finished
     by_key = {k: v for d in logged for k, v in d.items()}
     assert isinstance(by_key["qat_law/fit"][0], wandb.Image)

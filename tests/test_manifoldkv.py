@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from datamodules.ruler import RULER_TASKS, TASKS, RulerDataModule, encode, load_ruler_files, ruler_sample
+from lightning_modules.manifoldkv.data import RULER_TASKS, TASKS, RulerDataModule, encode, load_ruler_files, ruler_sample
 from lightning_modules.common.kv_press import AdaKV, Block, KeyDiff, KNorm, StreamingLLM
 from lightning_modules.manifoldkv.press import ManifoldKV, WindowedManifoldKV
 from tests.helpers import ROOT
@@ -423,9 +423,9 @@ def test_a_press_is_a_group_choice_and_the_old_keys_fail_with_one_line():
 
 
 def test_directional_collision_manifoldkv_keeps_more_needles_than_keydiff():
-    """The multi-key effect in miniature (benchmarks/manifoldkv.py): needles sharing the centroid direction with
+    """The multi-key effect in miniature (lightning_modules/manifoldkv/benchmark.py): needles sharing the centroid direction with
     different magnitudes; at 50% compression L2 keeps more of them and more of their queries' attention mass."""
-    from benchmarks.manifoldkv import main
+    from lightning_modules.manifoldkv.benchmark import main
 
     out = main(["--trials", "3", "--n-keys", "1024", "--ratios", "0.5", "--time-keys", "4096", "--heads", "1"])
     (m_needles, m_mass), (k_needles, k_mass) = out["table"][(0.5, "ManifoldKV")], out["table"][(0.5, "KeyDiff")]

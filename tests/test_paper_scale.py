@@ -2,7 +2,7 @@
 sequence length, tokens and learning rate are what the composed config really runs, so a copy-paste cannot drift.
 
 Nothing is built or run. Every paper-scale experiment is composed, its budget derived from the trainer, data and
-model keys, and compared with its ``paper:`` block; every main table in ``benchmarks/tables/<paper>.yaml`` must be
+model keys, and compared with its ``paper:`` block; every main table in ``lightning_modules/<paper>/tables.yaml`` must be
 reproduced by some experiment or sweep (``benchmarks/tables.py`` joins the two; the report shows the same join).
 """
 from __future__ import annotations
@@ -39,10 +39,10 @@ def test_header_names_a_table_and_matches_the_config(experiment):
     missing = [k for k in HEADER_KEYS if k not in header]
     assert not missing, f"{experiment}: its paper: header lacks {missing}"
     tables = {t["id"] for t in load_tables().get(header.name, [])}
-    assert tables, f"{experiment}: benchmarks/tables/{header.name}.yaml is missing or lists no table"
+    assert tables, f"{experiment}: lightning_modules/{header.name}/tables.yaml is missing or lists no table"
     ids = reproduces(header)
     assert ids and set(ids) <= tables, (
-        f"{experiment}: paper.reproduces {ids} must name tables of benchmarks/tables/{header.name}.yaml {sorted(tables)}")
+        f"{experiment}: paper.reproduces {ids} must name tables of lightning_modules/{header.name}/tables.yaml {sorted(tables)}")
     for key, value in derived_budget(composed(experiment)).items():
         stated = header.get(key)
         if value is None:
@@ -58,7 +58,7 @@ def test_every_main_table_has_an_experiment_or_sweep():
     for paper, tables in coverage().items():
         for t in tables:
             unknown = set(t["sweeps"]) - sweeps
-            assert not unknown, f"benchmarks/tables/{paper}.yaml: {t['id']} names sweeps not in conf/sweep/: {unknown}"
+            assert not unknown, f"lightning_modules/{paper}/tables.yaml: {t['id']} names sweeps not in conf/sweep/: {unknown}"
             if not t["experiments"] and not t["sweeps"]:
                 uncovered.append(f"{paper}: {t['id']} ({t['what']})")
     assert not uncovered, "main tables with no paper-scale experiment or sweep:\n" + "\n".join(uncovered)

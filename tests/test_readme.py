@@ -1,7 +1,8 @@
-"""The README is executable: every ``python run.py …`` / ``python -m …`` command in it runs as typed.
+"""The READMEs are executable: every ``python run.py …`` / ``python -m …`` command in them runs as typed.
 
-Commands are read from the README's code blocks and its inline code (the experiment table's command column,
-the papers' benchmark entry points), so a new README line is covered without editing this test. Each runs in
+Commands are read from the code blocks and inline code of ``README.md`` and every paper's
+``lightning_modules/<paper>/README.md`` (the experiment tables' command column, the papers' benchmark entry points),
+so a new README line is covered without editing this test. Each runs in
 a subprocess, exactly as written, plus ``paths.log_dir=<tmp>`` and ``WANDB_MODE=offline``:
 
 - hardware- or cluster-bound lines (a paper-scale experiment, ``launcher=slurm``, ``trainer=gpu``, DeepSpeed)
@@ -30,6 +31,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+
+
+def readmes() -> list[Path]:
+    """The top README and every paper's."""
+    return [README, *sorted((ROOT / "lightning_modules").glob("*/README.md"))]
 PLACEHOLDER = re.compile(r"<[^<>`]+>|…")  # user data, or an elided argument list
 HARDWARE = ("launcher=slurm", "trainer=gpu", "trainer=deepspeed", "trainer.accelerator=gpu")
 
@@ -48,8 +54,8 @@ def _commands_in(text: str) -> list[str]:
 
 
 def readme_commands() -> list[list[str]]:
-    """Commands grouped as the README groups them: one group per code-block line or per inline-code cell/sentence."""
-    text = README.read_text()
+    """Commands grouped as the READMEs group them: one group per code-block line or per inline-code cell/sentence."""
+    text = "\n\n".join(p.read_text() for p in readmes())
     groups: list[list[str]] = []
     blocks = re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S)
     for block in blocks:

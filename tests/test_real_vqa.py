@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from datamodules.kivqa import KIVQADataModule, RELATIONS, entities, generate_items, make_item, shuffle_patches
+from lightning_modules.real_vqa.data import KIVQADataModule, RELATIONS, entities, generate_items, make_item, shuffle_patches
 from lightning_modules.real_vqa.decoding import (ContrastProcessor, cad_logits, greedy_decode, orthogonal_part,
                                                  plausibility_cut, rpgd_logits, vcd_logits)
 from lightning_modules.real_vqa.target import (consistent_passages, format_target, keyword_mismatch, mask_spans,
@@ -146,7 +146,7 @@ def test_patch_shuffle_keeps_the_pixel_multiset():
 
     it = _item("patch_shuffle")
     ent = next(e for e in entities(0) if e["name"] == it["entity"])
-    from datamodules.kivqa import draw
+    from lightning_modules.real_vqa.data import draw
 
     clean = draw(ent["shape"], ent["colour"], ent["glyph"])
     shuffled = shuffle_patches(clean, 8, random.Random(0))

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from datamodules.kivqa import entities, make_item
+from lightning_modules.real_vqa.data import entities, make_item
 from lightning_modules.real_vqa.decoding import ContrastProcessor, cad_logits, greedy_decode, rpgd_logits
 from lightning_modules.real_vqa.target import mask_spans, prompt_text, target_segments
 
@@ -36,7 +36,7 @@ def tiny_llava(tmp_path_factory, tiny_lm_dir):
                               LlavaForConditionalGeneration, LlavaProcessor)
 
     from datamodules.common.tokenizer import load_tokenizer
-    from lightning_modules.common.vlm import add_image_token
+    from lightning_modules.real_vqa.vlm import add_image_token
 
     tok = load_tokenizer("tiny-lm")
     image_id = add_image_token(tok)  # LLaVA's <image> lives inside the LM's vocabulary: the last row
@@ -63,7 +63,7 @@ def _spec(path, **kw):
 
 @pytest.fixture(scope="module")
 def hub(tiny_llava):
-    from lightning_modules.common.vlm import build_hub_vlm
+    from lightning_modules.real_vqa.vlm import build_hub_vlm
 
     return build_hub_vlm(_spec(tiny_llava)).eval()
 
@@ -176,7 +176,7 @@ def test_hub_cached_contrast_equals_uncached_recomputation(hub, mode):
 
 
 def test_hub_bad_input():
-    from lightning_modules.common.vlm import build_hub_vlm
+    from lightning_modules.real_vqa.vlm import build_hub_vlm
     from lightning_modules.real_vqa.module import REALModule
 
     with pytest.raises(ValueError, match="needs backbone.pretrained"):
@@ -190,7 +190,7 @@ def test_hub_processor_without_torchvision_says_what_to_install(tiny_llava, monk
     the error names the install and the CPU index; other import errors pass through unchanged."""
     import transformers
 
-    from lightning_modules.common.vlm import build_hub_vlm
+    from lightning_modules.real_vqa.vlm import build_hub_vlm
 
     spec = {"family": "llava", "kind": "image_text_to_text", "pretrained": str(tiny_llava)}
 
@@ -238,7 +238,7 @@ def test_real_vqa_llava_experiment_runs_on_a_tiny_saved_llava(tiny_llava, tmp_pa
 def tiny_qwen2vl():
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-    from lightning_modules.common.vlm import HubVLM
+    from lightning_modules.real_vqa.vlm import HubVLM
 
     config = Qwen2VLConfig(
         text_config={"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

@@ -1,8 +1,8 @@
-"""The cross-segment key–value retrieval generator (datamodules.retrieval) behind benchmarks/hici.py."""
+"""The cross-segment key–value retrieval generator (lightning_modules.hici.retrieval) behind lightning_modules/hici/benchmark.py."""
 import pytest
 import torch
 
-from datamodules.retrieval import KVRetrievalDataset, kv_retrieval_sample, split_vocab
+from lightning_modules.hici.retrieval import KVRetrievalDataset, kv_retrieval_sample, split_vocab
 
 VOCAB = split_vocab(2048, n_keys=4, n_values=8)
 

@@ -1,11 +1,11 @@
-"""lightning_modules/common/selection.py: greedy DPP MAP against brute force, the RD-DPP kernel's properties."""
+"""lightning_modules/spard/selection.py: greedy DPP MAP against brute force, the RD-DPP kernel's properties."""
 import math
 import random
 
 import pytest
 import torch
 
-from lightning_modules.common.selection import (budget, greedy_dpp, greedy_dpp_factor, mean_pairwise_cosine,
+from lightning_modules.spard.selection import (budget, greedy_dpp, greedy_dpp_factor, mean_pairwise_cosine,
                                                 rd_dpp_factor, rd_dpp_kernel, relevance, select)
 
 

@@ -67,7 +67,7 @@ def test_polyak_trust_region_caps_the_step():
 def fit(tokenizer, steps=3, G=2, **kw):
     import lightning as L
 
-    from datamodules.spard import SPARDDataModule
+    from lightning_modules.spard.data import SPARDDataModule
     from lightning_modules.spard.module import SPARDModule
 
     L.seed_everything(0)
@@ -128,7 +128,7 @@ def test_int8_without_cuda(monkeypatch):
 
 
 def test_files_missing_safe_field(tmp_path, tiny_tokenizer):
-    from datamodules.spard import SPARDDataModule
+    from lightning_modules.spard.data import SPARDDataModule
 
     def write(name, rows):
         path = tmp_path / name
@@ -147,7 +147,7 @@ def test_files_missing_safe_field(tmp_path, tiny_tokenizer):
 
 
 def test_vault_splits_disjoint_warmup_included(tiny_tokenizer):
-    from datamodules.spard import STYLES, SPARDDataModule
+    from lightning_modules.spard.data import STYLES, SPARDDataModule
     from lightning_modules.common.rl.warmup import warmup_problems
 
     dm = SPARDDataModule(tiny_tokenizer, n_task=400, pool_size=300, n_val=32, n_test=64)

@@ -59,7 +59,7 @@ def test_text_files_with_own_val_and_test_files(tmp_path, tiny_tokenizer, monkey
 
 
 def test_long_context_evaluates_the_test_split(tmp_path, tiny_tokenizer, monkeypatch):
-    from datamodules.long_context import LongContextDataModule
+    from lightning_modules.hici.data import LongContextDataModule
 
     monkeypatch.setenv("PAPERLAB_CACHE", str(tmp_path / "cache"))
     write_docs(tmp_path / "docs.jsonl", DOCS)

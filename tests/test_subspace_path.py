@@ -231,7 +231,7 @@ def test_subspace_path_tiny_slice_matches_mask_and_other_switches(tmp_path):
 
 def test_embedded_documents_by_source_are_the_corpus_with_their_modules():
     from datamodules.common.corpus import embedded_documents, embedded_documents_by_source
-    from datamodules.subspace_path import family_of
+    from lightning_modules.subspace_path.data import family_of
 
     pairs = embedded_documents_by_source()
     assert [t for _, t in pairs] == embedded_documents()

@@ -11,9 +11,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from sweeps.collect import add_deltas, collect, qat_table
-from sweeps.fit import fit_law, markdown, qat_report
-from sweeps.laws import LAWS, ChinchillaLaw, QATDeltaLaw, get_law
+from lightning_modules.qat_law.law import QATDeltaLaw, qat_report, qat_table
+from sweeps.collect import add_deltas, collect
+from sweeps.fit import fit_law, markdown
+from sweeps.laws import LAWS, ChinchillaLaw, get_law
 from tests.helpers import ROOT
 
 
@@ -195,7 +196,7 @@ def test_fit_cli_from_a_table_writes_fit_and_plot(tmp_path):
     fp = df.drop_duplicates(["N", "D"]).assign(precision="fp", delta=0.0, group_size=0)
     fp["loss"] = 400 / fp["N"] ** 0.34 + 900 / fp["D"] ** 0.28 + 1.7
     pd.concat([df, fp], ignore_index=True).to_csv(tmp_path / "t.csv", index=False)
-    assert main([str(tmp_path / "t.csv"), "--out", str(tmp_path / "out")]) == 0
+    assert main([str(tmp_path / "t.csv"), "--law", "qat_delta", "--out", str(tmp_path / "out")]) == 0
     rep = json.loads((tmp_path / "out_fit.json").read_text())
     assert len(rep["fits"]["w4a4"]["dropped"]) == 1
     assert abs(rep["fits"]["w4a4"]["constants"]["gamma_G"] - 0.8) < 0.1
@@ -262,7 +263,7 @@ def test_fit_cli_bootstrap_reports_intervals_and_verdicts(tmp_path):
     df = planted_seeds().rename(columns={"G": "group_size"})
     df["precision"], df["loss"] = "w4a4", 3.0
     df.to_csv(tmp_path / "t.csv", index=False)
-    assert main([str(tmp_path / "t.csv"), "--bootstrap", "40", "--out", str(tmp_path / "out")]) == 0
+    assert main([str(tmp_path / "t.csv"), "--law", "qat_delta", "--bootstrap", "40", "--out", str(tmp_path / "out")]) == 0
     rep = json.loads((tmp_path / "out_fit.json").read_text())
     assert rep["claims"] == {"dδ/dN < 0": "held", "dδ/dD > 0": "held", "dδ/dG > 0": "held"}
     b = rep["bootstrap"]["w4a4"]["params"]["gamma_G"]

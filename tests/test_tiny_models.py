@@ -45,11 +45,32 @@ def test_key_covers_configs_code_and_libraries(checkout, monkeypatch):
 
 def test_not_built_is_one_line_naming_the_build_step(tmp_path, monkeypatch):
     monkeypatch.setenv("PAPERLAB_CACHE", str(tmp_path))
+    monkeypatch.delenv(tiny_models.BUILD_ON_DEMAND, raising=False)  # as a user's shell has it
     with pytest.raises(tiny_models.PretrainedNotFoundError,
                        match=r"not built for this checkout: run `python -m datamodules.common.tiny_models build tiny-lm`"):
         tiny_models.resolve_pretrained("tiny-lm")
     with pytest.raises(ValueError, match="no tiny model 'tiny-xl': choose one of tiny-lm"):
         tiny_models.build("tiny-xl")
+
+
+def test_the_suite_builds_a_missing_model_when_first_resolved(tmp_path, monkeypatch):
+    """With ``PAPERLAB_BUILD_TINY_MODELS=1`` (the test suite's setting) a missing tiny model is built on first use,
+    once, and only that one."""
+    monkeypatch.setenv("PAPERLAB_CACHE", str(tmp_path))
+    monkeypatch.setenv(tiny_models.BUILD_ON_DEMAND, "1")
+    built = []
+
+    def fake_build(name):
+        built.append(name)
+        target = tiny_models.model_dir(name)
+        target.mkdir(parents=True)
+        (target / "config.json").write_text("{}")
+        return target
+
+    monkeypatch.setattr(tiny_models, "build", fake_build)
+    assert tiny_models.resolve_pretrained("tiny-lm") == str(tiny_models.model_dir("tiny-lm"))
+    assert tiny_models.resolve_pretrained("tiny-lm") == str(tiny_models.model_dir("tiny-lm"))
+    assert built == ["tiny-lm"]
 
 
 def test_only_the_experiment_as_configured_is_published(tmp_path, monkeypatch):

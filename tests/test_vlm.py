@@ -1,4 +1,4 @@
-"""TinyVLM (lightning_modules/common/vlm.py): text-only inputs reach the LM untouched, image features land exactly at
+"""TinyVLM (lightning_modules/real_vqa/vlm.py): text-only inputs reach the LM untouched, image features land exactly at
 the ``<image>`` positions, gradients reach the projector, ``generate`` works; the backbone spec's ``kind``."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_modules.common.backbone import build_backbone
-from lightning_modules.common.vlm import TinyVLM, add_image_token, check_vision
+from lightning_modules.real_vqa.vlm import TinyVLM, add_image_token, check_vision
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ The evaluation runs as the test loop: every (task, format, n) cell of the datamo
 instances, each scored by exact match of the greedy answer (markers and delimiters stripped); the counts k of m per
 cell are fitted at the end by binomial maximum likelihood with the gamma law (both shape conventions), the
 exponential (1 − p)^n and a logistic in log n, each also refitted without the largest n and scored on it
-(``sweeps.fit.error_report``). Backends:
+(``law.error_report``). Backends:
 
 - ``local``: any backbone (the tiny char-level LLaMA trained here by ``fit``, or ``qwen3_8b``), greedy decoding
   through ``lightning_modules.common.evaluation.greedy_generate``.
@@ -20,7 +20,7 @@ Logged: ``test/accuracy`` (mean over cells), per group ``<task>/<format>``: ``te
 ``test/r/<group>``, ``test/q/<group>``, ``test/deviance/<group>``, ``test/heldout_abs_err/<group>`` (the main law),
 and the mean held-out error of every law ``test/heldout_abs_err/<law>``. ``results.error_law``: ``rows`` (task,
 format, n, k, m, acc, ``outcomes``: one 0/1 per instance in index order), ``fits`` (the full report) and a few
-predictions; ``sweeps.collect.error_table`` reads the rows.
+predictions; ``law.error_table`` reads the rows.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from datamodules.error_law import canonical
+from lightning_modules.error_law.data import canonical
 from lightning_modules.common.evaluation import exact_match, greedy_generate
 from lightning_modules.common.lm import CausalLMModule
 
@@ -118,7 +118,7 @@ class ErrorLawModule(CausalLMModule):
     def on_test_epoch_end(self):
         import pandas as pd
 
-        from sweeps.fit import ERROR_LAWS, error_report
+        from .law import ERROR_LAWS, error_report
 
         if not self.records:
             return

@@ -143,7 +143,7 @@ class ESRModule(CausalLMModule):
 
     # --- self-correction SFT -------------------------------------------------------------------------------------
     def training_step(self, batch, batch_idx):
-        from datamodules.esr import masked_batch
+        from lightning_modules.esr.data import masked_batch
 
         b = masked_batch(self.tokenizer(), batch, self.device, self.sft["max_length"])
         loss = self.model(**b, use_cache=False).loss
@@ -200,7 +200,7 @@ class ESRModule(CausalLMModule):
 
     def sae_texts(self, n: int, held_out: bool = False) -> list[str]:
         """Texts the tiny SAE is trained on (``held_out``: fresh ones): answers, self-corrections, off-topic text."""
-        from datamodules.esr import self_corrections
+        from lightning_modules.esr.data import self_corrections
 
         return [e["prompt"] + e["distractor"] + e["response"]
                 for e in self_corrections(n, 0.5, seed=int(self.sae_cfg["seed"]) + (2 if held_out else 1))]
@@ -238,7 +238,7 @@ class ESRModule(CausalLMModule):
 
     # --- generation ------------------------------------------------------------------------------------------------
     def prompt_text(self, item: dict, latent: int | None = None) -> str:
-        from datamodules.esr import META_PROMPTS
+        from lightning_modules.esr.data import META_PROMPTS
         from datamodules.instruct import apply_template
 
         text = item["prompt"]

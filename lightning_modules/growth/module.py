@@ -1,6 +1,6 @@
 """Grow a trained MoE checkpoint (depth by layer copying, width by noisy expert duplication), then keep training.
 
-``build_model`` loads ``growth.source``, applies the operators of ``lightning_modules.common.growth`` in
+``build_model`` loads ``growth.source``, applies the operators of ``lightning_modules.growth.operators`` in
 ``growth.order`` (``depth_first``: the paper's 17B -> 35B -> 70B run) and returns the grown model; continued
 pretraining is the base module's loop with a fresh optimizer (the growth edits weights only). ``metrics.json``'s
 ``parameters`` record the source and grown sizes, the active parameters N_a and the compute: 6·N_a·D of the
@@ -17,7 +17,7 @@ import contextlib
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from lightning_modules.common import growth as ops
+from lightning_modules.growth import operators as ops
 from lightning_modules.common.backbone import build_backbone
 from lightning_modules.common.lm import CausalLMModule, _plain
 

@@ -232,7 +232,7 @@ class HiCILongContextLM(CausalLMModule):
         mask = batch.get("attention_mask")
         if mask is not None and self.attention in ("s2", "local") and not bool(mask.all()):
             raise ValueError(f"model.attention={self.attention} trains on packed, unpadded sequences; this batch "
-                             "has padding (use datamodules.long_context / packed data, or model.attention=hici)")
+                             "has padding (use lightning_modules.hici.data / packed data, or model.attention=hici)")
         if mask is not None:  # padded positions are never targets
             batch = {**batch, "labels": batch["labels"].masked_fill(mask == 0, -100)}
         return super().compute_loss(batch)

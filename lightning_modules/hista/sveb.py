@@ -24,7 +24,7 @@ import random
 import torch
 
 from datamodules.common.cache import stable_hash
-from lightning_modules.common.rl.critic import ValueHead
+from lightning_modules.hista.critic import ValueHead
 from lightning_modules.common.rl.rollouts import batched_logprobs, generate_rollouts
 from lightning_modules.hista.hista import (k_schedule, knn_value, library, node_distances, representations,
                                            state_positions)

@@ -1,6 +1,6 @@
 """A causal LM on a data mixture that records what the mixture consumed, for the InfoLaw fits.
 
-Standard next-token training (``CausalLMModule``); the data module (``datamodules.mixture.MixtureDataModule``)
+Standard next-token training (``CausalLMModule``); the data module (``lightning_modules.infolaw.data.MixtureDataModule``)
 decides what each step reads. The module logs the realised per-bucket tokens D_k and epochs e_k = D_k / U_k
 (``data/D_<k>``, ``data/e_<k>``) and leaves one row for the law in ``results.infolaw``: N (non-embedding
 parameters), D (training tokens), w_k, U_k, s_k, D_k, e_k and the clean held-out test loss.

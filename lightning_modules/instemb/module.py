@@ -88,7 +88,7 @@ class InstEmbModule(CausalLMModule):
                  daap_normalize: str = "each", template: str | None = None, max_length: int = 512,
                  warmup: Mapping | None = None, eval: Mapping | None = None):
         super().__init__(backbone, optimizer, scheduler, weight_decay)
-        from datamodules.instemb import INBEDDER
+        from lightning_modules.instemb.data import INBEDDER
         from lightning_modules.common.embedding import DAAP_NORMALIZE
 
         views = list(views)
@@ -145,7 +145,7 @@ class InstEmbModule(CausalLMModule):
 
         spec = dict(self.backbone_spec)
         if self.warmup:  # the instruction follower InstEmb starts from: a cached warm-up on the train objects only
-            import datamodules.instemb  # noqa: F401  (registers the warm-up task)
+            import lightning_modules.instemb.data  # noqa: F401  (registers the warm-up task)
             from lightning_modules.common.rl.warmup import warmup_dir
 
             eos = self.get_tokenizer().eos_token
@@ -191,7 +191,7 @@ class InstEmbModule(CausalLMModule):
     # --- inputs ----------------------------------------------------------------------------------
     def prompt_ids(self, instruction: str, text: str) -> list[int]:
         """The templated prompt's tokens + EOS (the prompt cut from the left to fit ``max_length``)."""
-        from datamodules.instemb import prompt_text
+        from lightning_modules.instemb.data import prompt_text
 
         tok = self.get_tokenizer()
         ids = tok(prompt_text(instruction, text, self.template), add_special_tokens=False)["input_ids"]
@@ -342,7 +342,7 @@ class InstEmbModule(CausalLMModule):
 
     # --- evaluation ------------------------------------------------------------------------------
     def _evaluate(self, items: list[dict], prefix: str):
-        from datamodules.instemb import ATTRIBUTES
+        from lightning_modules.instemb.data import ATTRIBUTES
 
         m = instruction_metrics(self, items, ATTRIBUTES, int(self.eval_cfg["k"]), int(self.eval_cfg["seed"]))
         for k, v in m.items():

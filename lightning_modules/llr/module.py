@@ -16,7 +16,7 @@ ICML 2026, arXiv 2605.22297; released code github.com/hed-ucas/Layer-wise-Learni
   branch). Muon defaults (lr 0.02, momentum 0.95, Nesterov, wd 0, ``adjust_lr_fn: original``) are [INF].
 - The main table's baseline arms (``baselines.py``): ``optimizer=lars|lamb|sharpness`` over the same groups at
   uniform rates (Sharpness: fixed block multiples), as the release trains them; the LLR callback refuses them.
-- The rates (``spectra.py``, ``rates.py``), recomputed by the ``callbacks.llr.LLR`` callback:
+- The rates (``spectra.py``, ``rates.py``), recomputed by the ``lightning_modules.llr.callback.LLR`` callback:
 
   1. λ = σ(W)² (``torch.linalg.svdvals``, no 1/N normalisation; ``esd_dtype`` float32 as released, or float64).
   2. Hill / continuous power-law MLE with xmin at the median: i = ⌊N/2⌋, n = N − i,

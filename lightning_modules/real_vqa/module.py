@@ -1,6 +1,6 @@
 """REAL (issue 23): reasoning-pivot alignment for knowledge-intensive VQA — RPA-SFT, then pivot-guided decoding.
 
-- **Model** (``build_model``): with ``vision`` set, a ``TinyVLM`` (``lightning_modules.common.vlm``) on the
+- **Model** (``build_model``): with ``vision`` set, a ``TinyVLM`` (``lightning_modules.real_vqa.vlm``) on the
   backbone's causal LM; ``lora`` wraps the LM only, so the vision tower and projector train in full. With
   ``vision: null`` and a ``kind: image_text_to_text`` backbone (LLaVA, Qwen2-VL), a ``HubVLM``: the same calls, its
   prompts and image tensors from the checkpoint's processor; ``lora`` goes on its language model only.
@@ -61,7 +61,7 @@ class REALModule(TestIsValidation, CausalLMModule):
         check_alpha_beta(float(self.rpgd["alpha"]), float(self.rpgd["beta"]))
         self.vision = _plain(vision) if vision else None
         if self.vision is not None:
-            from lightning_modules.common.vlm import check_vision
+            from lightning_modules.real_vqa.vlm import check_vision
 
             self.vision = check_vision(self.vision)
         kind = self.backbone_spec.get("kind") or "causal_lm"
@@ -102,13 +102,13 @@ class REALModule(TestIsValidation, CausalLMModule):
         return self.tokenizer
 
     def set_tokenizer(self, tokenizer) -> None:
-        from lightning_modules.common.vlm import add_image_token
+        from lightning_modules.real_vqa.vlm import add_image_token
 
         self.tokenizer = tokenizer
         self.image_token_id = add_image_token(tokenizer) if self.vision is not None else None
 
     def build_model(self):
-        from lightning_modules.common.vlm import build_hub_vlm, build_vlm
+        from lightning_modules.real_vqa.vlm import build_hub_vlm, build_vlm
 
         if self.hub:
             model = build_hub_vlm(self.backbone_spec)
@@ -139,7 +139,7 @@ class REALModule(TestIsValidation, CausalLMModule):
         """The images as the model takes them: a (B, 3, H, W) tensor (TinyVLM) or the image processor's tensors."""
         if self.hub:
             return self.model.image_inputs([it["image"] for it in items], self.device)
-        from datamodules.kivqa import to_pixels
+        from lightning_modules.real_vqa.data import to_pixels
 
         return torch.stack([to_pixels(it["image"]) for it in items]).to(self.device)
 

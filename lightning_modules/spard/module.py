@@ -5,7 +5,7 @@ Manual optimisation; one ``training_step`` is one update and one step of ``train
 1. **Selection** (once, at fit start; not for ``sft``): the safe pool's and the reference set's prompt texts are
    embedded (``dpp.encoder``: ``base_model``, the model being fine-tuned, last-layer mean pool, one text at a time,
    untruncated | ``minilm`` | a local path), k = floor(ratio · |R|) items chosen by ``dpp.selector`` (``rd_dpp``:
-   greedy MAP of diag(r)·C·diag(r) + eps·I, ``lightning_modules.common.selection``; ``random``: seed 42).
+   greedy MAP of diag(r)·C·diag(r) + eps·I, ``lightning_modules.spard.selection``; ``random``: seed 42).
 2. **Utility**: the batch's ``grad_accum`` (G) user micro-batches, each's response CE / G accumulated; the global
    norm clipped to ``max_grad_norm``; AdamW steps. No scheduler step, no step count (as released).
 3. **Safety** (``spard``, ``random_safe``): G safe micro-batches of ``safe_batch_size`` from a loader cycling over S;
@@ -32,7 +32,7 @@ import torch
 from datamodules.instruct import cycling_loader, sft_batch
 from lightning_modules.common.eval_hooks import TestIsValidation
 from lightning_modules.common.lm import CausalLMModule, _plain
-from lightning_modules.common.selection import SELECTORS, budget, mean_pairwise_cosine, relevance, select
+from lightning_modules.spard.selection import SELECTORS, budget, mean_pairwise_cosine, relevance, select
 from lightning_modules.spard.spag import PROJECTIONS, safety_step
 
 DEFENCES = ("spard", "sft", "random_safe", "mixed_safe")
@@ -261,7 +261,7 @@ class SPARDModule(TestIsValidation, CausalLMModule):
     def _task_score(self, completion: str, gold: str) -> float:
         dm = getattr(self.trainer, "datamodule", None)
         if getattr(dm, "task_metric", "exact_match") == "obqa":
-            from datamodules.spard import obqa_correct
+            from lightning_modules.spard.data import obqa_correct
 
             return obqa_correct(completion, gold)
         from lightning_modules.common.rl.rewards import exact_match_reward

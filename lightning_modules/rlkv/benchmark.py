@@ -1,0 +1,223 @@
+"""RLKV at tiny scale: which KV heads does the RL probe keep, and what does compressing the others cost?
+
+Model: the tiny LM after rlkv_tiny's cached warm-up on 1-digit word problems (8 KV heads: 4 layers x 2). Probes,
+per seed: ``rlkv_tiny`` (the RL probe, ``--rl-steps``) and ``duoattn_tiny`` (DuoAttention's distillation,
+``--duo-steps``), both through run.py. Evaluation prompts: ``--n-eval`` word problems of the train split (the tiny
+model cannot solve unseen 1-digit pairs, so retention is measured where the full model is right), greedy decoding
+under HeadMixedPress (sink 4 + recent 8, the training window, since prompts are ~30 tokens) at each sparsity s,
+for the RLKV and Duo gates, random gates (``--random-draws``), all heads streaming, and StreamingLLM / SnapKV token
+dropping at the matched budget (they compress the prompt once, so their ratio is solved for the same KV kept at the
+end as RLKV's). Decode time per token:
+full cache vs ``storage=split`` at s = 0.5.
+
+Planted check: stream one head at a time (the others full) and measure the increase of the full model's greedy
+answer NLL (teacher-forced through the pressed cache): an oracle importance per head. Its Spearman correlation with
+each seed's gates, averaged over seeds, with a permutation p-value (each seed's gates permuted independently).
+
+    python -m benchmarks rlkv            # full: 3 seeds, ~10 min on 2 idle cores
+    python -m benchmarks rlkv --quick    # 1 seed, a few steps: proves the pipeline
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SINK, RECENT = 4, 8
+
+
+def run_probe(experiment: str, steps: int, seed: int, out: Path, extra=()) -> list[list[float]]:
+    cmd = [sys.executable, str(ROOT / "run.py"), f"experiment={experiment}", f"hydra.run.dir={out}",
+           f"trainer.max_steps={steps}", f"trainer.val_check_interval={steps}", "++trainer.limit_val_batches=1",
+           "logger=csv", "callbacks.progress_bar=null", "callbacks.model_checkpoint=null", f"seed={seed}", *extra]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", WANDB_MODE="offline")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{experiment} seed {seed} failed:\n{proc.stderr[-3000:]}")
+    return json.loads((out / "metrics.json").read_text())["results"]["gates"]
+
+
+def warmed_model_and_tokenizer():
+    """The model rlkv_tiny starts from (tiny-lm + the cached word-problem warm-up) and its tokenizer."""
+    from omegaconf import OmegaConf
+
+    from datamodules.common.tokenizer import load_tokenizer
+    from lightning_modules.common.backbone import build_backbone
+    from lightning_modules.common.rl.warmup import warmup_dir
+    from runner import compose
+
+    cfg = compose("rlkv_tiny")
+    spec = OmegaConf.to_container(cfg.backbone, resolve=True)
+    warm = {**OmegaConf.to_container(cfg.model.warmup, resolve=True), "val_fraction": float(cfg.data.val_fraction),
+            "test_fraction": float(cfg.data.test_fraction)}
+    path = warmup_dir(spec, warm)
+    model = build_backbone({**spec, "pretrained": str(path)}).eval()
+    return model, load_tokenizer(pretrained=str(path)), cfg
+
+
+def spearman(x, y) -> float:
+    rx, ry = (torch.as_tensor(v, dtype=torch.float64).argsort().argsort().double() for v in (x, y))
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    return float((rx * ry).sum() / (rx.norm() * ry.norm()).clamp_min(1e-12))
+
+
+def permutation_p(gates: list[torch.Tensor], oracle: torch.Tensor, n: int = 20000, seed: int = 0) -> tuple[float, float]:
+    """Mean Spearman rho over seeds and its one-sided permutation p-value."""
+    rho = sum(spearman(g.flatten(), oracle.flatten()) for g in gates) / len(gates)
+    gen = torch.Generator().manual_seed(seed)
+    hits = 0
+    for _ in range(n):
+        perm = sum(spearman(g.flatten()[torch.randperm(g.numel(), generator=gen)], oracle.flatten()) for g in gates)
+        hits += perm / len(gates) >= rho - 1e-12
+    return rho, (hits + 1) / (n + 1)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--rl-steps", type=int, default=60)
+    ap.add_argument("--duo-steps", type=int, default=200)
+    ap.add_argument("--sparsities", type=float, nargs="+", default=[0.25, 0.5, 0.75])
+    ap.add_argument("--random-draws", type=int, default=5)
+    ap.add_argument("--n-eval", type=int, default=64)
+    ap.add_argument("--max-new", type=int, default=16)
+    ap.add_argument("--quick", action="store_true", help="1 seed, 3 probe steps, 16 prompts, 2 random draws")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.seeds, args.rl_steps, args.duo_steps, args.n_eval, args.random_draws = 1, 3, 3, 16, 2
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+    from datamodules.verifiable import PROMPT, generate_problems
+    from lightning_modules.common.kv_press import SnapKV, StreamingLLM
+    from lightning_modules.common.rl.rewards import exact_match_reward
+    from lightning_modules.rlkv.evaluation import press_generate
+    from lightning_modules.rlkv.press import HeadMixedPress
+
+    # --- probes -------------------------------------------------------------------------------------------
+    gates = {"rlkv": [], "duo": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in range(args.seeds):
+            gates["rlkv"].append(torch.tensor(run_probe("rlkv_tiny", args.rl_steps, seed, Path(tmp) / f"rlkv{seed}")))
+            gates["duo"].append(torch.tensor(run_probe("duoattn_tiny", args.duo_steps, seed, Path(tmp) / f"duo{seed}")))
+            print(f"seed {seed}: rlkv gates {gates['rlkv'][-1].tolist()}\n        duo gates  {gates['duo'][-1].tolist()}")
+
+    # --- evaluation -----------------------------------------------------------------------------------------
+    model, tok, cfg = warmed_model_and_tokenizer()
+    problems = generate_problems("word_problems", args.n_eval, 4242, 1, ("+", "-"), "train",
+                                 float(cfg.data.val_fraction), float(cfg.data.test_fraction))
+    prompts = [tok(PROMPT.format(q=p["question"]), add_special_tokens=False)["input_ids"] for p in problems]
+    mean_len = sum(map(len, prompts)) / len(prompts)
+
+    def evaluate(press, targets=None, one_by_one=False):
+        """One left-padded batch; ``one_by_one`` for token-dropping presses, which score padded columns too."""
+        if one_by_one:
+            parts = [press_generate(model, press, [p], args.max_new, tok.eos_token_id, tok.pad_token_id) for p in prompts]
+            g = {"completions": [c for q in parts for c in q["completions"]],
+                 **{k: sum(q[k] for q in parts) / len(parts) for k in ("kv_kept_fraction", "decode_s_per_token")}}
+        else:
+            g = press_generate(model, press, prompts, args.max_new, tok.eos_token_id, tok.pad_token_id, targets)
+        texts = tok.batch_decode(g["completions"], skip_special_tokens=True)
+        g["accuracy"] = sum(exact_match_reward(c, p["answer"]) for c, p in zip(texts, problems)) / len(problems)
+        return g
+
+    full = evaluate(None)
+    full_tokens = full["tokens"]
+    mean_new = sum(map(len, full["completions"])) / len(problems)
+    print(f"full KV: accuracy {full['accuracy']:.3f} on {len(problems)} train-split prompts (mean length {mean_len:.1f})")
+    head = lambda source, s, g=None, seed=0, **kw: HeadMixedPress(gates=g, sparsity=s, sink=SINK, recent=RECENT,  # noqa: E731
+                                                                  source=source, seed=seed, **kw)
+    table = {}
+    for s in args.sparsities:
+        row = {}
+        for name in ("rlkv", "duo"):
+            row[name] = [evaluate(head(name, s, g.tolist())) for g in gates[name]]
+        row["random"] = [evaluate(head("random", s, seed=d)) for d in range(args.random_draws)]
+        # matched budget: prefill-only dropping keeps P(1 - r) + T of P + T entries; solve for RLKV's kept fraction
+        kept = sum(r["kv_kept_fraction"] for r in row["rlkv"]) / len(row["rlkv"])
+        ratio = min(1 - (SINK + 1) / min(map(len, prompts)), (1 - kept) * (mean_len + mean_new) / mean_len)
+        row["streamingllm"] = [evaluate(StreamingLLM(compression_ratio=ratio, n_sink=SINK), one_by_one=True)]
+        row["snapkv"] = [evaluate(SnapKV(compression_ratio=ratio, window_size=RECENT), one_by_one=True)]
+        table[s] = {k: {"accuracy": [r["accuracy"] for r in v], "kv_kept": [r["kv_kept_fraction"] for r in v]}
+                    for k, v in row.items()}
+    streaming_all = evaluate(head("all_streaming", 1.0))
+    print(f"all heads streaming: accuracy {streaming_all['accuracy']:.3f}, KV kept {streaming_all['kv_kept_fraction']:.3f}")
+    print(f"{'s':>5} " + " ".join(f"{k:>22}" for k in table[args.sparsities[0]]))
+    for s, row in table.items():
+        cells = [f"{sum(v['accuracy']) / len(v['accuracy']):.3f} (KV {sum(v['kv_kept']) / len(v['kv_kept']):.2f})"
+                 for v in row.values()]
+        print(f"{s:>5.2f} " + " ".join(f"{c:>22}" for c in cells))
+
+    # --- decode time per token: full vs split at s = 0.5 ---------------------------------------------------
+    g0 = gates["rlkv"][0].tolist()
+    t_full = min(evaluate(None)["decode_s_per_token"] for _ in range(3))
+    t_split = min(evaluate(head("rlkv", 0.5, g0, storage="split"))["decode_s_per_token"] for _ in range(3))
+    print(f"decode time per token: full {1e3 * t_full:.2f} ms, split s=0.5 {1e3 * t_split:.2f} ms")
+
+    # --- planted oracle: one head streaming at a time ---------------------------------------------------------
+    L, H = gates["rlkv"][0].shape
+    base_nll = evaluate(None, full_tokens)["nll"]
+    oracle = torch.zeros(L, H, dtype=torch.float64)
+    for i in range(L * H):
+        one = torch.ones(L * H)
+        one[i] = 0.0  # the lowest gate: exactly this head streams at s = 1 / (L H)
+        oracle.view(-1)[i] = evaluate(head("rlkv", 1 / (L * H), one.view(L, H).tolist()), full_tokens)["nll"] - base_nll
+    print(f"oracle NLL increase per head (one head streaming):\n{oracle.numpy().round(4)}")
+    corr = {name: permutation_p(gates[name], oracle) for name in ("rlkv", "duo")}
+    for name, (rho, p) in corr.items():
+        print(f"Spearman(oracle, {name} gates) = {rho:+.3f} (mean over {args.seeds} seeds), permutation p = {p:.4f}")
+    return {"table": table, "full": full["accuracy"], "all_streaming": streaming_all["accuracy"],
+            "t_full": t_full, "t_split": t_split, "corr": corr, "oracle": oracle.tolist(), "seeds": args.seeds,
+            "gates": {k: [g.tolist() for g in v] for k, v in gates.items()}, "n_eval": len(problems),
+            "random_draws": args.random_draws}
+
+
+def claims(res, argv):
+    """Claims for benchmarks/results/rlkv.json, from the measured numbers."""
+    from benchmarks.schema import Claim, mean_se, verdict_at_least, verdict_at_most
+
+    out, t, n = [], res["table"], res["n_eval"]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    for s, row in t.items():
+        r, se_r, k = mean_se(row["rlkv"]["accuracy"])
+        rnd = mean(row["random"]["accuracy"])
+        out.append(Claim(f"rlkv_vs_random_s{s:g}", "uses reinforcement learning as a probe to discover which heads "
+                         "contribute to reasoning quality", f"greedy accuracy at s={s:g}, RLKV gates − mean of "
+                         f"{res['random_draws']} random head choices", r - rnd, ">= 0 (issue target)",
+                         verdict_at_least(r - rnd, 0.0, se_r), f"RLKV {r:.3f} vs random {rnd:.3f}, Duo "
+                         f"{mean(row['duo']['accuracy']):.3f}, full {res['full']:.3f}, {n} prompts", se_r, k))
+        tok = max(mean(row["streamingllm"]["accuracy"]), mean(row["snapkv"]["accuracy"]))
+        out.append(Claim(f"rlkv_vs_token_dropping_s{s:g}", "Existing token-dropping methods directly disrupt reasoning "
+                         "chains", f"accuracy at s={s:g}, RLKV − best of StreamingLLM / SnapKV at the matched budget",
+                         r - tok, ">= 0", verdict_at_least(r - tok, 0.0, se_r), f"RLKV {r:.3f} (KV kept "
+                         f"{mean(row['rlkv']['kv_kept']):.2f}) vs token dropping {tok:.3f} (KV kept "
+                         f"{mean(row['snapkv']['kv_kept']):.2f})", se_r, k))
+    s_mid = min(t, key=lambda s: abs(s - 0.5))
+    r, se_r, k = mean_se(t[s_mid]["rlkv"]["accuracy"])
+    out.append(Claim("near_lossless", "enabling 20--60% cache reduction with near-lossless performance",
+                     f"accuracy drop full − RLKV at s={s_mid:g} (KV kept {mean(t[s_mid]['rlkv']['kv_kept']):.2f})",
+                     res["full"] - r, "<= 0.05 (near-lossless, our threshold)", verdict_at_most(res["full"] - r, 0.05, se_r),
+                     f"full {res['full']:.3f}, RLKV {r:.3f}, all heads streaming {res['all_streaming']:.3f}", se_r, k))
+    rho, p = res["corr"]["rlkv"]
+    rho_d, p_d = res["corr"]["duo"]
+    out.append(Claim("heads_found", "a fraction of heads proves essential for reasoning", "Spearman(oracle one-head "
+                     "NLL increase, RLKV gates), mean over seeds; permutation p", rho, "> 0 with p < 0.1 (issue target)",
+                     "held" if rho > 0 and p < 0.1 else ("not_held" if rho <= 0 else "inconclusive"),
+                     f"RLKV rho {rho:+.3f} p {p:.3f}; Duo rho {rho_d:+.3f} p {p_d:.3f}", None, res["seeds"]))
+    out.append(Claim("speedup", "up to 2.06x end-to-end speedup at 60% reduction", "decode time per token, full / "
+                     "split storage at s=0.5 (tiny model, CPU)", res["t_full"] / res["t_split"], "paper: 2.06x (SGLang, "
+                     "s=0.6, 8B models)", "not_measurable_here", "a 4-layer CPU model with ~50-token caches is not "
+                     "bound by KV reads; the measured ratio is reported, not judged"))
+    return out, []
+
+
+if __name__ == "__main__":
+    from benchmarks.schema import run_benchmark
+
+    run_benchmark("rlkv", main, claims)
