@@ -34,6 +34,7 @@ write_conf() {
     die "$CONF exists and was not written by this script: not touching a real cluster's config"
   fi
   $SUDO mkdir -p "$(dirname "$CONF")" "$STATE"/{ctld,spool,log}
+  $SUDO chmod 0755 "$STATE"  # munged refuses a pid file in a group- or world-writable dir
   $SUDO tee "$CONF" >/dev/null <<EOF
 $MARK (one node, for tests)
 ClusterName=paperlab
@@ -76,9 +77,9 @@ do_start() {
   command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null ||
     die "SLURM is not installed: bash .ci/slurm.sh install"
   write_conf
-  if ! [ -S /run/munge/munge.socket.2 ] || ! munge -n >/dev/null 2>&1; then
-    $SUDO install -d -o munge -g munge -m 0755 /run/munge
-    $SUDO runuser -u munge -- munged --pid-file=/run/munge/munged.pid
+  if ! munge -n >/dev/null 2>&1; then  # no munged answering yet: ours (stop stops only ours)
+    $SUDO install -d -o munge -g munge -m 0755 /run/munge "$STATE/munge"
+    $SUDO runuser -u munge -- munged --pid-file="$STATE/munge/munged.pid"
   fi
   [ -f "$STATE/slurmctld.pid" ] && $SUDO kill -0 "$(cat "$STATE/slurmctld.pid")" 2>/dev/null || $SUDO slurmctld -c
   [ -f "$STATE/slurmd.pid" ] && $SUDO kill -0 "$(cat "$STATE/slurmd.pid")" 2>/dev/null || $SUDO slurmd -c
@@ -103,9 +104,13 @@ stop_pid() {  # $1: pid file; waits until the process is gone
 }
 
 do_stop() {
+  if [ -f "$STATE/slurmctld.pid" ] && jobs=$(squeue -h -o %A 2>/dev/null) && [ -n "$jobs" ]; then
+    scancel $jobs || true  # no job outlives the cluster
+    for _ in $(seq 50); do [ -z "$(squeue -h -o %A 2>/dev/null)" ] && break; sleep 0.2; done
+  fi
   stop_pid "$STATE/slurmd.pid"
   stop_pid "$STATE/slurmctld.pid"
-  stop_pid /run/munge/munged.pid
+  stop_pid "$STATE/munge/munged.pid"
   echo "slurm stopped"
 }
 
