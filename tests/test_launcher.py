@@ -101,7 +101,6 @@ def test_hici_llama7b_on_four_nodes_on_paper(tmp_path, monkeypatch):
     assert _directive(sbatch, "cpus-per-task") == "10" and _directive(sbatch, "mem") is None
     assert _directive(sbatch, "time") == "1440"  # minutes; submitit requeues at the limit, at most 5 times
     assert _directive(sbatch, "signal") == "USR2@120" and "#SBATCH --requeue" in lines
-    assert _directive(sbatch, "job-name") == "run"
     # the setup lines run in the batch script, before srun starts the 32 tasks (8 per node) of one job
     setup, srun = lines.index("export NCCL_ASYNC_ERROR_HANDLING=1"), next(i for i, ln in enumerate(lines)
                                                                            if ln.startswith("srun "))
