@@ -20,10 +20,12 @@ SUDO=""
 
 die() { echo "slurm.sh: $*" >&2; exit 1; }
 
+PACKAGES="slurmctld slurmd slurm-client munge"
+
 do_install() {
-  command -v apt-get >/dev/null || die "no apt-get: install slurmctld, slurmd, slurm-client and munge with your package manager"
-  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurmctld slurmd slurm-client munge >/dev/null ||
-    { $SUDO apt-get update -q >/dev/null && $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurmctld slurmd slurm-client munge >/dev/null; }
+  command -v apt-get >/dev/null || die "no apt-get: install $PACKAGES with your package manager"
+  local apt="$SUDO env DEBIAN_FRONTEND=noninteractive apt-get -y -q"
+  $apt install $PACKAGES >/dev/null || { $apt update >/dev/null && $apt install $PACKAGES >/dev/null; }
 }
 
 write_conf() {
@@ -44,6 +46,7 @@ SlurmdPort=6818
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# a requeued job may start again after cred_expire + 1 s (default 120 s; 10 s keeps the preemption test short)
 AuthInfo=cred_expire=10
 StateSaveLocation=$STATE/ctld
 SlurmdSpoolDir=$STATE/spool
@@ -51,9 +54,11 @@ SlurmctldPidFile=$STATE/slurmctld.pid
 SlurmdPidFile=$STATE/slurmd.pid
 SlurmctldLogFile=$STATE/log/slurmctld.log
 SlurmdLogFile=$STATE/log/slurmd.log
+# no cgroups (a container may not grant them): processes tracked through /proc, tasks not bound
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
+# no slurmdbd: sacct answers "accounting storage is disabled" (submitit warns, README: SLURM paragraph)
 AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 MpiDefault=none
@@ -61,6 +66,7 @@ MailProg=/bin/true
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+# schedule every second (defaults 60 s and 30 s): a requeued job starts as soon as it may
 SchedulerParameters=sched_interval=1,bf_interval=1
 ReturnToService=2
 JobRequeue=1

@@ -144,8 +144,9 @@ def test_lightning_sees_slurm_two_tasks_train_ddp(tmp_path):
 # ---- preemption ----
 
 MAX_STEPS, EVERY = 30, 5
-PREEMPTABLE = ["experiment=lm_tiny", "task=fit", f"trainer.max_steps={MAX_STEPS}", f"trainer.val_check_interval={EVERY}",
-               "trainer.log_every_n_steps=1", "data.max_val_sequences=8", *ON_SLURM]
+PREEMPTABLE = ["experiment=lm_tiny", "task=fit", f"trainer.max_steps={MAX_STEPS}",
+               f"trainer.val_check_interval={EVERY}", "trainer.log_every_n_steps=1", "data.max_val_sequences=8",
+               *ON_SLURM]
 
 
 def _squeue(job_id: str) -> tuple[str, int]:
