@@ -116,5 +116,5 @@ def test_slurm_cpu_asks_for_no_gpu(tmp_path, monkeypatch):
     sbatch = _sbatch(cfg, monkeypatch)["sbatch"]
     assert _directive(sbatch, "ntasks-per-node") == "2" and _directive(sbatch, "nodes") == "1"
     assert _directive(sbatch, "cpus-per-task") == "2"
-    assert "gpu" not in sbatch and "NCCL" not in sbatch
+    assert not re.search(r"^#SBATCH --(gpus|gres)", sbatch, flags=re.M) and "NCCL" not in sbatch
     assert "#SBATCH --requeue" in sbatch.splitlines() and cfg.ckpt_path == "last"  # the rest is launcher=slurm's
