@@ -31,7 +31,7 @@ do_install() {
 write_conf() {
   local host cpus
   host=$(hostname -s)
-  cpus=$(nproc)
+  cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)  # nproc obeys OMP_NUM_THREADS
   if [ -e "$CONF" ] && ! grep -qF "$MARK" "$CONF"; then
     die "$CONF exists and was not written by this script: not touching a real cluster's config"
   fi
