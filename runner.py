@@ -91,6 +91,9 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"task={cfg.get('task')!r}: choose one of {', '.join(TASKS)}")
     if cfg.get("optimized_mode") not in MODES:
         raise ConfigError(f"optimized_mode={cfg.get('optimized_mode')!r}: choose min (lower is better) or max")
+    seed = cfg.get("seed")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ConfigError(f"seed={seed!r} is not an integer: pass one, e.g. seed=1")
     _check_in_memory_tokens(cfg)
     tr = cfg.trainer
     if str(tr.get("accelerator")) in ("gpu", "cuda"):
@@ -302,7 +305,9 @@ def run(cfg: DictConfig):
     try:
         return _run(cfg, state)
     except BaseException as err:  # noqa: BLE001 - recorded, then re-raised or reported
-        if isinstance(err, KeyboardInterrupt):
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):
+            # an interruption, not a failure of the job: Ctrl+C, SIGTERM (Lightning exits on it) or submitit's
+            # preemption handler (checkpoint, requeue, exit). The process must end, and a requeued job resumes.
             raise
         try:
             state.collect()

@@ -55,6 +55,7 @@ def test_unknown_experiment_lists_known_ones():
     (["trainer=fsdp", "trainer.strategy.tensor_parallel_size=2"], "trainer=fsdp with tensor_parallel_size>1"),
     (["backbone.pretrained=/no/such/checkpoint"], "backbone.pretrained='/no/such/checkpoint' does not exist"),
     (["ckpt_path=/no/such.ckpt"], "ckpt_path='/no/such.ckpt' does not exist"),
+    (["seed=abc"], "seed='abc' is not an integer: pass one, e.g. seed=1"),  # a typo in a swept value
 ])
 def test_bad_config_fails_fast_with_one_line(overrides, match, tmp_path):
     from runner import ConfigError

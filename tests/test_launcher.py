@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import sys
 
 import pytest
 from omegaconf import OmegaConf
@@ -24,7 +25,7 @@ def _sbatch(cfg, monkeypatch):
 
     def record_map_array(self, fn, *iterables):
         ex = self._executor
-        rendered["sbatch"] = ex._make_submission_file_text("python -u -m submitit.core._submit %j", "uid")
+        rendered["sbatch"] = ex._make_submission_file_text(ex._submitit_command_str, "uid")  # what sbatch gets
         rendered["max_num_timeout"] = ex.max_num_timeout
         rendered["jobs"] = list(zip(*iterables))
         rendered["callable"] = fn
@@ -62,6 +63,7 @@ def test_slurm_numbers_propagate(nodes, gpus, tmp_path, monkeypatch):
     assert _directive(sbatch, "partition") == "gpu-long" and _directive(sbatch, "account") == "lab"
     assert "export NCCL_ASYNC_ERROR_HANDLING=1" in sbatch
     assert "--signal=USR2@120" in sbatch  # submitit's preemption/timeout signal, handled by its checkpoint()
+    assert "#SBATCH --requeue" in sbatch.splitlines()  # requeueable whatever the cluster's default
     assert rendered["max_num_timeout"] == 5 and len(rendered["jobs"]) == 1
 
     # the one requeue owner: submitit resubmits the same job, which resumes from its own last checkpoint
@@ -83,3 +85,36 @@ def test_local_launcher_leaves_run_dir_and_trainer_alone():
     b = compose("lm_tiny", ["seed=3", "launcher=slurm"])
     assert OmegaConf.select(a, "hydra.run.dir") == OmegaConf.select(b, "hydra.run.dir")  # launcher not in the dir name
     assert "plugins" not in a.trainer
+
+
+def test_hici_llama7b_on_four_nodes_on_paper(tmp_path, monkeypatch):
+    """The README's multi-node line, ``python run.py experiment=hici_llama7b launcher=slurm trainer.num_nodes=4
+    -m``: the whole sbatch script submitit would hand to sbatch (tests/test_slurm.py runs such scripts on a real
+    one-node SLURM; more than one node and GPUs are only checked here, on paper)."""
+    cfg = compose("hici_llama7b", ["launcher=slurm", "trainer.num_nodes=4", f"hydra.sweep.dir={tmp_path}"])
+    gpus = cfg.trainer.devices
+    assert gpus == 8 and cfg.trainer.accelerator == "gpu"  # the experiment's 8-GPU nodes
+    lines = _sbatch(cfg, monkeypatch)["sbatch"].splitlines()
+    sbatch = "\n".join(lines)
+    assert _directive(sbatch, "nodes") == "4"
+    assert _directive(sbatch, "ntasks-per-node") == _directive(sbatch, "gpus-per-node") == "8"  # a task per GPU
+    assert _directive(sbatch, "cpus-per-task") == "10" and _directive(sbatch, "mem") is None
+    assert _directive(sbatch, "time") == "1440"  # minutes; submitit requeues at the limit, at most 5 times
+    assert _directive(sbatch, "signal") == "USR2@120" and "#SBATCH --requeue" in lines
+    # the setup lines run in the batch script, before srun starts the 32 tasks (8 per node) of one job
+    setup, srun = lines.index("export NCCL_ASYNC_ERROR_HANDLING=1"), next(i for i, ln in enumerate(lines)
+                                                                           if ln.startswith("srun "))
+    assert setup < srun
+    assert lines[srun].endswith(f"{sys.executable} -u -m submitit.core._submit {tmp_path}/.submitit/%j")
+    assert "--gpus" not in lines[srun] and "--ntasks" not in lines[srun]  # srun takes them from the allocation
+    assert cfg.trainer.num_nodes * cfg.trainer.devices == 32
+
+
+def test_slurm_cpu_asks_for_no_gpu(tmp_path, monkeypatch):
+    """``launcher=slurm_cpu``: a CPU partition's job, one task per process (trainer=ddp: 2), no GPU request."""
+    cfg = compose("lm_tiny", ["launcher=slurm_cpu", "trainer=ddp", f"hydra.sweep.dir={tmp_path}"])
+    sbatch = _sbatch(cfg, monkeypatch)["sbatch"]
+    assert _directive(sbatch, "ntasks-per-node") == "2" and _directive(sbatch, "nodes") == "1"
+    assert _directive(sbatch, "cpus-per-task") == "2"
+    assert not re.search(r"^#SBATCH --(gpus|gres)", sbatch, flags=re.M) and "NCCL" not in sbatch
+    assert "#SBATCH --requeue" in sbatch.splitlines() and cfg.ckpt_path == "last"  # the rest is launcher=slurm's

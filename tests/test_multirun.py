@@ -69,3 +69,61 @@ def test_a_swept_experiment_keeps_one_sweep_dir(tmp_path):
     assert summary["failed"] == 2
     assert sorted(Path(j["dir"]).relative_to(sweep).parts[0] for j in summary["jobs"]) == ["llr_tiny", "lm_tiny"]
     assert all("shards nothing" in j["status"] for j in summary["jobs"])
+
+
+def test_summary_is_read_from_the_run_dirs_of_this_sweep(tmp_path):
+    """The summary holds whatever process ran the jobs: each job gets a copy of the callback (submitit pickles
+    it into another process, on another node) and only leaves files in its run dir. Jobs of another sweep in the
+    same sweep dir, and a metrics.json older than the job's start (left by an earlier sweep), are not this sweep's."""
+    import pickle
+    import time
+
+    import pytest
+    from omegaconf import OmegaConf
+
+    from callbacks.hydra_summary import MultirunSummary
+
+    sweep = tmp_path / "multirun" / "lm_tiny"
+    sweep_cfg = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}})
+
+    def job(cb, num, seed, metrics=None, stale=False):
+        out = sweep / f"seed={seed}"
+        out.mkdir(parents=True, exist_ok=True)
+        if stale:  # an earlier sweep's result, written before this job started
+            (out / "metrics.json").write_text(json.dumps({"status": "ok", "final": {}}))
+            old = time.time() - 3600
+            os.utime(out / "metrics.json", (old, old))
+        copy = pickle.loads(pickle.dumps(cb))  # what the job's process holds
+        copy.on_job_start(config=OmegaConf.create({"hydra": {"runtime": {"output_dir": str(out)}, "job": {"num": num},
+                                                              "overrides": {"task": [f"seed={seed}"]}}}),
+                          task_function=None)
+        if metrics is not None:
+            (out / "metrics.json").write_text(json.dumps(metrics))
+
+    earlier = MultirunSummary()
+    earlier.on_multirun_start(config=sweep_cfg)
+    job(earlier, 0, 9, {"status": "failed: ValueError: from another sweep", "final": {}})
+
+    cb = MultirunSummary()
+    cb.on_multirun_start(config=sweep_cfg)
+    job(cb, 0, 1, {"status": "ok", "final": {"val/loss": 2.5}})
+    job(cb, 1, 2, {"status": "failed: ValueError: boom", "final": {}})
+    job(cb, 2, 3)  # killed before the runner wrote metrics.json
+    job(cb, 3, 4, stale=True)  # killed too, over an earlier sweep's metrics.json
+    with pytest.raises(SystemExit) as exit_:
+        cb.on_multirun_end(config=sweep_cfg)
+    assert exit_.value.code == 1
+    summary = json.loads((sweep / "summary.json").read_text())
+    assert [j["overrides"] for j in summary["jobs"]] == [["seed=1"], ["seed=2"], ["seed=3"], ["seed=4"]]
+    assert summary["failed"] == 3
+    status = [j["status"] for j in summary["jobs"]]
+    assert status[0] == "ok" and summary["jobs"][0]["final"] == {"val/loss": 2.5}
+    assert status[1] == "failed: ValueError: boom"
+    assert status[2].startswith("failed: no metrics.json from this sweep") and status[3] == status[2]
+
+    # a sweep whose jobs all ended well writes its summary and does not fail
+    ok = MultirunSummary()
+    ok.on_multirun_start(config=sweep_cfg)
+    job(ok, 0, 1, {"status": "ok", "final": {}})
+    ok.on_multirun_end(config=sweep_cfg)
+    assert json.loads((sweep / "summary.json").read_text())["failed"] == 0
