@@ -1,0 +1,180 @@
+"""W4A16 matmul: fp16 / bf16 (or fp32) activations times a packed 4-bit weight (``int4.py``), fp32 accumulation.
+
+y = x · Wᵀ (+ bias) with W[n, k] = (code[n, k] − zero[n, k // G]) · scale[n, k // G]. Two implementations:
+
+- ``w4a16_reference``: plain PyTorch, the definition: unpack, dequantize in fp32, cast W to x's dtype, ``F.linear``;
+- ``w4a16_triton``: one Triton kernel that reads the packed bytes, dequantizes each (BLOCK_K × BLOCK_N) tile in fp32
+  in registers, casts it to x's dtype and accumulates ``tl.dot`` in fp32, so the full-precision W never exists in
+  memory. fp32 inputs use an IEEE fp32 dot (no TF32), and so does Triton's CPU interpreter for every dtype (its bf16
+  ``tl.dot`` is wrong, ENVIRONMENT.md): there the kernel equals the reference up to summation order, and bit for bit
+  whenever every product and partial sum is exact (the tests' integer-valued inputs).
+
+``w4a16_linear(..., impl=auto|triton|torch)`` picks Triton for CUDA tensors when Triton is installed. The weight is
+frozen (buffers); the input's gradient, dx = dy · W, exists on both paths (the Triton path's backward dequantizes
+with the reference). ``PackedLinear`` is the ``nn.Linear`` replacement that holds the packed buffers.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from callbacks.kernels.fake_quant import HAS_TRITON, _use_triton, tl, triton
+from callbacks.kernels.int4 import check_shapes, dequantize, pack_int4
+
+SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def w4a16_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Dequantize (fp32), cast to x's dtype, matmul: the definition the kernel must equal."""
+    w = dequantize(qweight, scales, zeros).to(x.dtype)
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, G, n_groups,
+                      stride_xm, stride_ym, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        in_m, in_n = rm < M, rn < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + rk
+            in_k = k < K
+            x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + k[None, :],
+                        mask=in_m[:, None] & in_k[None, :], other=0.0)
+            wmask = in_k[:, None] & in_n[None, :]
+            # (BLOCK_K, BLOCK_N) tile of Wᵀ: byte k // 2 of row n, nibble k % 2
+            byte = tl.load(qw_ptr + rn[None, :].to(tl.int64) * (K // 2) + (k // 2)[:, None], mask=wmask, other=0)
+            code = (byte.to(tl.int32) >> ((k % 2) * 4)[:, None]) & 0xF
+            sz = rn[None, :].to(tl.int64) * n_groups + (k // G)[:, None]
+            s = tl.load(s_ptr + sz, mask=wmask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + sz, mask=wmask, other=0.0).to(tl.float32)
+            w = (code.to(tl.float32) - z) * s
+            if DOT_FP32:
+                acc += tl.dot(x.to(tl.float32), w.to(x.dtype).to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(x, w.to(x.dtype))
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=in_n, other=0.0).to(x_ptr.dtype.element_ty).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=in_m[:, None] & in_n[None, :])
+
+
+def _blocks(m: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): a short M (decoding) gets the smallest tile tl.dot takes."""
+    return (16 if m <= 16 else 32 if m <= 32 else 64), 64, 64
+
+
+def w4a16_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel; same contract as ``w4a16_reference``. CUDA tensors, or CPU under TRITON_INTERPRET=1."""
+    if not HAS_TRITON:
+        raise RuntimeError("the Triton W4A16 kernel needs triton: pip install -c constraints.txt triton==3.7.1")
+    n, half = qweight.shape
+    k = 2 * half
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} input features, the packed weight {k}")
+    n_groups = scales.shape[1]
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    bm, bn, bk = _blocks(m)
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if m:
+        _w4a16_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+            x2, qweight.contiguous(), scales.contiguous(), zeros.contiguous(), bias if bias is not None else scales,
+            y, m, n, k, k // n_groups, n_groups, x2.stride(0), y.stride(0), HAS_BIAS=bias is not None,
+            DOT_FP32=interpret or x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    return y.reshape(*x.shape[:-1], n)
+
+
+class _W4A16(torch.autograd.Function):
+    """The kernel forward; backward dx = dy · W with W dequantized by the reference (the weight is frozen)."""
+
+    @staticmethod
+    def forward(ctx, x, qweight, scales, zeros, bias):
+        ctx.save_for_backward(qweight, scales, zeros)
+        return w4a16_triton(x, qweight, scales, zeros, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        qweight, scales, zeros = ctx.saved_tensors
+        return grad @ dequantize(qweight, scales, zeros).to(grad.dtype), None, None, None, None
+
+
+def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 bias: torch.Tensor | None = None, impl: str = "auto") -> torch.Tensor:
+    """y = x · Wᵀ + bias for the packed W; ``impl``: auto (Triton on CUDA, else PyTorch) | triton | torch."""
+    if _use_triton(x, impl):
+        return _W4A16.apply(x, qweight, scales, zeros, bias)
+    return w4a16_reference(x, qweight, scales, zeros, bias)
+
+
+class PackedLinear(nn.Module):
+    """A frozen linear layer whose weight is stored in the packed 4-bit format (``int4.py``), really 4-bit in memory
+    and in its state dict (buffers ``qweight`` uint8, ``scales``, ``zeros``, optional ``bias`` and ``input_scale``).
+
+    ``input_scale`` (per input feature, AWQ's s): the layer computes (x / s) · Wᵀ, W the packed Q(W·diag s), so it
+    equals a fake-quantized weight Q(W·diag s)·diag(1/s). ``impl``: auto | triton | torch (``w4a16_linear``).
+    """
+
+    def __init__(self, in_features: int, out_features: int, group_size: int = 128, bias: bool = False,
+                 input_scale: bool = False, scale_dtype: torch.dtype = torch.float16, dtype: torch.dtype | None = None,
+                 device=None, impl: str = "auto"):
+        super().__init__()
+        if scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"scale_dtype={scale_dtype}: use one of {SCALE_DTYPES}")
+        groups = check_shapes(out_features, in_features, group_size)
+        self.in_features, self.out_features, self.group_size, self.impl = in_features, out_features, group_size, impl
+        dtype = dtype or torch.get_default_dtype()
+        self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.zeros(out_features, groups, dtype=scale_dtype, device=device))
+        self.register_buffer("zeros", torch.zeros(out_features, groups, dtype=scale_dtype, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
+        self.register_buffer("input_scale", torch.ones(in_features, dtype=dtype, device=device) if input_scale else None)
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                   bias: torch.Tensor | None = None, input_scale: torch.Tensor | None = None,
+                   scale_dtype: torch.dtype = torch.float16, dtype: torch.dtype | None = None,
+                   impl: str = "auto") -> "PackedLinear":
+        """Pack out × in codes (0..15) with out × groups scales and zeros (stored in ``scale_dtype``); ``bias`` and
+        ``input_scale`` are kept in ``dtype`` (default: the bias's, else torch's default dtype)."""
+        out, n = codes.shape
+        groups = scales.shape[1]
+        if n % max(groups, 1):
+            raise ValueError(f"{groups} groups do not divide in_features={n}")
+        dtype = dtype or (bias.dtype if bias is not None else None)
+        layer = cls(n, out, n // groups, bias is not None, input_scale is not None, scale_dtype, dtype,
+                    device=codes.device, impl=impl)
+        layer.qweight.copy_(pack_int4(codes))
+        layer.scales.copy_(scales)
+        layer.zeros.copy_(zeros)
+        if bias is not None:
+            layer.bias.copy_(bias)
+        if input_scale is not None:
+            layer.input_scale.copy_(input_scale)
+        return layer
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 out × in weight this layer applies to its (scaled) input."""
+        return dequantize(self.qweight, self.scales, self.zeros)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_scale is not None:
+            x = x / self.input_scale.to(x.dtype)
+        return w4a16_linear(x, self.qweight, self.scales, self.zeros, self.bias, self.impl)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, group_size={self.group_size}, "
+                f"scales={str(self.scales.dtype)[6:]}, bias={self.bias is not None}, "
+                f"input_scale={self.input_scale is not None}")
