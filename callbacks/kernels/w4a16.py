@@ -38,12 +38,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K, G, n_groups,
-                      stride_xm, stride_ym, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr,
+                      stride_xm, stride_ym, HAS_BIAS: tl.constexpr, DOT_FP32: tl.constexpr, ALIGNED: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_m, pid_n = tl.program_id(0), tl.program_id(1)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
+        rb = tl.arange(0, BLOCK_K // 2)
         in_m, in_n = rm < M, rn < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -51,14 +52,21 @@ if HAS_TRITON:
             in_k = k < K
             x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_xm + k[None, :],
                         mask=in_m[:, None] & in_k[None, :], other=0.0)
-            wmask = in_k[:, None] & in_n[None, :]
-            # (BLOCK_K, BLOCK_N) tile of Wᵀ: byte k // 2 of row n, nibble k % 2
-            byte = tl.load(qw_ptr + rn[None, :].to(tl.int64) * (K // 2) + (k // 2)[:, None], mask=wmask, other=0)
-            code = (byte.to(tl.int32) >> ((k % 2) * 4)[:, None]) & 0xF
-            sz = rn[None, :].to(tl.int64) * n_groups + (k // G)[:, None]
-            s = tl.load(s_ptr + sz, mask=wmask, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + sz, mask=wmask, other=0.0).to(tl.float32)
-            w = (code.to(tl.float32) - z) * s
+            # each byte once: (BLOCK_N, BLOCK_K / 2) bytes -> low and high nibbles interleaved along k -> Wᵀ tile
+            b = k0 // 2 + rb
+            byte = tl.load(qw_ptr + rn[:, None].to(tl.int64) * (K // 2) + b[None, :],
+                           mask=in_n[:, None] & (b < K // 2)[None, :], other=0).to(tl.int32)
+            code = tl.trans(tl.interleave(byte & 0xF, byte >> 4)).to(tl.float32)  # (BLOCK_K, BLOCK_N)
+            if ALIGNED:  # BLOCK_K divides G: one scale and zero per column of the tile
+                g = rn.to(tl.int64) * n_groups + k0 // G
+                s = tl.load(s_ptr + g, mask=in_n, other=0.0).to(tl.float32)[None, :]
+                z = tl.load(z_ptr + g, mask=in_n, other=0.0).to(tl.float32)[None, :]
+            else:
+                g = rn[None, :].to(tl.int64) * n_groups + (k // G)[:, None]
+                gmask = in_k[:, None] & in_n[None, :]
+                s = tl.load(s_ptr + g, mask=gmask, other=0.0).to(tl.float32)
+                z = tl.load(z_ptr + g, mask=gmask, other=0.0).to(tl.float32)
+            w = (code - z) * s
             if DOT_FP32:
                 acc += tl.dot(x.to(tl.float32), w.to(x.dtype).to(tl.float32), input_precision="ieee")
             else:
@@ -93,7 +101,8 @@ def w4a16_triton(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         _w4a16_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
             x2, qweight.contiguous(), scales.contiguous(), zeros.contiguous(), bias if bias is not None else scales,
             y, m, n, k, k // n_groups, n_groups, x2.stride(0), y.stride(0), HAS_BIAS=bias is not None,
-            DOT_FP32=interpret or x.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+            DOT_FP32=interpret or x.dtype == torch.float32, ALIGNED=(k // n_groups) % bk == 0,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     return y.reshape(*x.shape[:-1], n)
 
 
