@@ -271,3 +271,31 @@ def test_final_answer_reads_the_gsm8k_mark():
     assert final_answer("12 + 34 = 46 \n # # # # 46") == "46"
     assert final_answer("so 1,200 in all\n#### 1,200") == "1200"
     assert final_answer("no mark 7") is None
+
+
+def test_cgq_weights_export_packed_and_reload_as_the_diffusion_lm(tmp_path):
+    """W4A16 CGQ (GPTQ on token-weighted Σ, 16 levels) packs to 4 bits; the reloaded backbone, wrapped again as the
+    masked diffusion LM, gives the fake-quantized model's logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from callbacks.kernels.w4a16 import PackedLinear
+    from lightning_modules.common.diffusion import MaskedDiffusionLM
+    from lightning_modules.common.quantize.export import load_packed, pack_model, save_packed
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=40, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    dlm = MaskedDiffusionLM(LlamaForCausalLM(config).eval(), mask_token_id=3)
+    batches = _batches(lambda ids: cgq.token_weights(ids, 3))
+    for b in batches:
+        b["input_ids"][:, ::3] = 3  # some masked positions, so c_j takes both values
+    report = quantize_model(dlm.model, GPTQ(percdamp=0.01), batches, 4, with_limit=False, log=None)
+    ids = batches[0]["input_ids"]
+    with torch.no_grad():
+        want = dlm.logits(ids)
+        names = pack_model(dlm.model, report["grids"])
+        save_packed(dlm.model, tmp_path, names)
+        again = MaskedDiffusionLM(load_packed(tmp_path), mask_token_id=3)
+        got = again.logits(ids)
+    assert len(names) == 14 and isinstance(again.model.model.layers[1].mlp.down_proj, PackedLinear)
+    assert (got - want).abs().max() <= 2e-6 * want.abs().max()
