@@ -18,9 +18,10 @@ Test (all in ``on_test_epoch_end``; the datamodule's own test queries are ignore
 answer's number after "####" equals the reference's, quantized model) and ``test/accuracy_fp``; ``test/kl_bits/r<ratio>`` = KL(FP ‖ Q) in bits
 per masked position when a random share ``ratio`` of the answer is masked; ``test/kl_step/<i>`` along the FP
 sampler's trajectory, with ``test/kl_growth`` (least-squares slope, bits per step) and ``test/kl_traj`` (mean);
-``quant/packed_bytes`` (codes + row scales at the nominal rate) and ``quant/time_s``. With ``export_packed`` (W4A16
-only: a_bits = v_bits = 16) the weights are really packed to 4 bits (``common/quantize/export.py``), the evaluation
-runs the packed model and ``quant/bytes_memory``, ``quant/bytes_disk`` report it.
+``quant/packed_bytes`` (codes + row scales at the nominal rate; speed only by ``benchmarks/kernels.py`` on a GPU)
+and ``quant/time_s``. With ``export_packed`` (W4A16 only: a_bits = v_bits = 16) the weights are really packed to 4
+bits (``common/quantize/export.py``), the evaluation runs the packed model and ``quant/bytes_memory``,
+``quant/bytes_disk`` report it.
 """
 from __future__ import annotations
 

@@ -20,9 +20,8 @@ no grid; a grid of more than 16 levels fails naming the layer.
 
 On disk (``save_packed``): ``model.safetensors`` (the packed buffers, every other tensor as it is, tied weights once),
 ``buffers.safetensors`` (non-persistent buffers), ``config.json`` (the transformers config) and ``packed.json`` (the
-packed layers and the format). ``load_packed``
-builds the model on the meta device, swaps in the packed layers and assigns the tensors, so loading never allocates
-the full-precision weights.
+packed layers and the format). ``load_packed`` builds the model on the meta device, swaps in the packed layers and
+assigns the tensors, so loading never allocates the full-precision weights.
 """
 from __future__ import annotations
 
@@ -51,11 +50,11 @@ def grid_codes(weight: torch.Tensor, grid: AffineGrid, input_scale: torch.Tensor
     w = weight.detach().double().cpu()
     if input_scale is not None:
         w = w * input_scale.double().cpu()
-    g = w.shape[1] // grid.scale.shape[1]
-    scale = grid.scale.double().repeat_interleave(g, 1)
-    zero = grid.zero.double().repeat_interleave(g, 1)
+    rows, groups = grid.scale.shape
+    w = w.reshape(rows, groups, -1)  # (row, group, member): the grid broadcasts over each group's members
+    scale, zero = grid.scale.double()[..., None], grid.zero.double()[..., None]
     live = scale != 0  # zeroed rows (driver's zero_out_rows) decode to 0 with any code
-    c = torch.where(live, w / torch.where(live, scale, 1.0) + zero, 0.0)
+    c = torch.where(live, w / torch.where(live, scale, 1.0) + zero, 0.0).reshape(weight.shape)
     codes = torch.round(c)
     off = float((c - codes).abs().max()) if c.numel() else 0.0
     if off > tol or codes.min() < 0 or codes.max() > grid.levels - 1:
