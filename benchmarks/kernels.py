@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import sys
 import tempfile
@@ -90,12 +91,14 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 # --- 1. fake quantization ------------------------------------------------------------------------------------------
-def fake_quant_rows(device: str, timer: Timer, tokens: int, hidden: int, groups: list[int], bits: int = 4) -> list[dict]:
+def fake_quant_rows(device: str, timer: Timer, tokens: int, hidden: int, groups: list[int], kernels: bool,
+                    bits: int = 4) -> list[dict]:
     from callbacks.kernels.fake_quant import fake_quant, fake_quant_reference, fake_quant_triton
 
-    cuda = device == "cuda"
+    cuda = kernels  # the Triton columns
     rows = []
-    for dtype in (torch.float32, torch.bfloat16):
+    # bf16 on CUDA only: CPU timings are fp32, and Triton's interpreter truncates fp32 -> bf16 (CUDA rounds to nearest)
+    for dtype in (torch.float32, torch.bfloat16) if device == "cuda" else (torch.float32,):
         for g in groups:
             for sym in (True, False):
                 x = torch.randn(tokens, hidden, device=device, dtype=dtype)
@@ -121,12 +124,12 @@ def fake_quant_rows(device: str, timer: Timer, tokens: int, hidden: int, groups:
 
 
 # --- 2. W4A16 matmul -----------------------------------------------------------------------------------------------
-def w4a16_rows(device: str, timer: Timer, shapes: list[tuple], tokens: list[int], dtype: torch.dtype,
+def w4a16_rows(device: str, timer: Timer, shapes: list[tuple], tokens: list[int], dtype: torch.dtype, kernels: bool,
                group: int = 128) -> list[dict]:
     from callbacks.kernels.int4 import dequantize, pack_int4
     from callbacks.kernels.w4a16 import w4a16_linear, w4a16_reference
 
-    cuda = device == "cuda"
+    cuda = kernels  # the Triton columns
     rows = []
     for model, layer, k, n in shapes:
         gen = torch.Generator().manual_seed(k + n)
@@ -250,10 +253,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     cuda = device == "cuda"
+    # on CPU the Triton kernels run only under TRITON_INTERPRET=1, and only at --quick sizes (their code path, not speed)
+    kernels = cuda or (args.quick and os.environ.get("TRITON_INTERPRET") == "1")
     timer = Timer(device, args.reps or (20 if cuda else 3 if args.quick else 5), warmup=1 if args.quick else 2)
     head = (f"{torch.cuda.get_device_name()}, bf16" if cuda else
             f"CPU ({torch.get_num_threads()} threads), fp32: the Triton kernels need CUDA, so only their PyTorch "
-            "references are timed (their CPU check is the interpreter tests, tests/test_kernels_*.py)")
+            "references are timed (their CPU check is the interpreter tests, tests/test_kernels_*.py)"
+            + ("; here they also ran under TRITON_INTERPRET=1: those times are the interpreter's" if kernels else ""))
     out = [f"# Kernels against their references ({'quick, ' if args.quick else ''}{head})", ""]
     print(out[0])
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -266,7 +272,7 @@ def main(argv=None) -> int:
     if "fake_quant" in args.sections:
         tokens, hidden = (8192, 3968) if cuda else (64, 256) if args.quick else (2048, 1024)
         emit("fake_quant: fused Triton vs PyTorch reference (4 bits)",
-             fake_quant_rows(device, timer, tokens, hidden, [32 if args.quick else 128]))
+             fake_quant_rows(device, timer, tokens, hidden, [32 if args.quick else 128], kernels))
     if "w4a16" in args.sections:
         if cuda and not args.quick:
             shapes, tokens = PAPER_LINEARS, [1, 16, 4096]
@@ -275,7 +281,7 @@ def main(argv=None) -> int:
         else:
             shapes, tokens = [PAPER_LINEARS[0], PAPER_LINEARS[3]], [1, 16, 256]
         emit(f"w4a16: packed int4 matmul vs dequantize-then-matmul vs dense {str(dtype)[6:]} (G = 128)",
-             w4a16_rows(device, timer, shapes, tokens, dtype))
+             w4a16_rows(device, timer, shapes, tokens, dtype, kernels))
     if "bytes" in args.sections:
         rows, note = bytes_rows(args.quick)
         emit("bytes: full precision vs packed 4-bit (export_packed)", rows, note)
