@@ -126,8 +126,7 @@ def fake_quant_rows(device: str, timer: Timer, tokens: int, hidden: int, groups:
 # --- 2. W4A16 matmul -----------------------------------------------------------------------------------------------
 def w4a16_rows(device: str, timer: Timer, shapes: list[tuple], tokens: list[int], dtype: torch.dtype, kernels: bool,
                group: int = 128) -> list[dict]:
-    from callbacks.kernels.int4 import dequantize, pack_int4
-    from callbacks.kernels.w4a16 import w4a16_linear, w4a16_reference
+    from callbacks.kernels.w4a16 import dequantize, pack_int4, w4a16_linear, w4a16_reference
 
     cuda = kernels  # the Triton columns
     rows = []

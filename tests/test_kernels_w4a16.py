@@ -8,8 +8,8 @@ import torch
 import triton  # noqa: F401  - the test extra installs it (triton==3.7.1); a missing kernel must fail, not skip
 
 from callbacks.kernels.fake_quant import fake_quant_reference
-from callbacks.kernels.int4 import dequantize, pack_int4, quantize_rtn, unpack_int4
-from callbacks.kernels.w4a16 import PackedLinear, w4a16_linear, w4a16_reference, w4a16_triton
+from callbacks.kernels.w4a16 import (PackedLinear, _use_triton, dequantize, pack_int4, quantize_rtn, unpack_int4,
+                                     w4a16_linear, w4a16_reference, w4a16_triton)
 
 
 def _packed(n, k, g, seed, exact=True):
@@ -136,6 +136,9 @@ def test_packed_linear_is_four_bit_and_round_trips_its_state_dict(tmp_path):
 
 
 def test_auto_is_torch_on_cpu_and_bad_shapes_fail_with_one_line():
+    assert _use_triton(torch.zeros(2), "auto") is False and _use_triton(torch.zeros(2), "triton") is True
+    with pytest.raises(ValueError, match="use auto"):
+        _use_triton(torch.zeros(2), "cuda")
     codes, scales, zeros = _packed(8, 32, 16, seed=5)
     x = torch.randn(2, 32)
     qw = pack_int4(codes)

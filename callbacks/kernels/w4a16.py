@@ -1,17 +1,29 @@
-"""W4A16 matmul: fp16 / bf16 (or fp32) activations times a packed 4-bit weight (``int4.py``), fp32 accumulation.
+"""Packed 4-bit weights and the W4A16 matmul that reads them: fp16 / bf16 (or fp32) activations, fp32 accumulation.
 
-y = x · Wᵀ (+ bias) with W[n, k] = (code[n, k] − zero[n, k // G]) · scale[n, k // G]. Two implementations:
+The format. A weight W (out × in, y = x Wᵀ) is stored as
+- ``qweight``: uint8, out × in/2; byte j of a row holds code 2j in its low nibble and code 2j+1 in its high nibble;
+- ``scales``, ``zeros``: out × in/G floats (fp16, bf16 or fp32), one pair per group of G consecutive input features;
+and it stands for  W[n, k] = (code[n, k] − zeros[n, k // G]) · scales[n, k // G],  computed in fp32.
+The zero is a float, not a 4-bit integer, so every uniform grid of at most 16 levels packs exactly: the asymmetric
+min-max grid (integer zero), the symmetric grid with a zero level (codes q + 8, zero 8) and the mid-rise grid without
+one (q + ½ steps: zero 7.5). G divides ``in`` (G = in: one group per row, the per-row grids of the common RTN/GPTQ).
+At G = 128 with fp16 scales and zeros the format costs 4 + 32/128 = 4.25 bits per weight. ``quantize_rtn`` puts a
+float weight on ``fake_quant.py``'s 4-bit grids, so its packed dequantization equals ``fake_quant_reference`` bit for
+bit in fp32.
 
+The matmul, y = x · Wᵀ (+ bias), two implementations:
 - ``w4a16_reference``: plain PyTorch, the definition: unpack, dequantize in fp32, cast W to x's dtype, ``F.linear``;
-- ``w4a16_triton``: one Triton kernel that reads the packed bytes, dequantizes each (BLOCK_K × BLOCK_N) tile in fp32
-  in registers, casts it to x's dtype and accumulates ``tl.dot`` in fp32, so the full-precision W never exists in
-  memory. fp32 inputs use an IEEE fp32 dot (no TF32), and so does Triton's CPU interpreter for every dtype (its bf16
-  ``tl.dot`` is wrong, ENVIRONMENT.md): there the kernel equals the reference up to summation order, and bit for bit
-  whenever every product and partial sum is exact (the tests' integer-valued inputs).
-
+- ``w4a16_triton``: one Triton kernel that reads the packed bytes (each once), dequantizes each (BLOCK_K × BLOCK_N)
+  tile in fp32 in registers, casts it to x's dtype and accumulates ``tl.dot`` in fp32, so the full-precision W never
+  exists in memory. fp32 inputs use an IEEE fp32 dot (no TF32), and so does Triton's CPU interpreter for every dtype
+  (its bf16 ``tl.dot`` is wrong, ENVIRONMENT.md): there the kernel equals the reference up to summation order, and
+  bit for bit whenever every product and partial sum is exact (the tests' integer-valued inputs).
 ``w4a16_linear(..., impl=auto|triton|torch)`` picks Triton for CUDA tensors when Triton is installed. The weight is
 frozen (buffers); the input's gradient, dx = dy · W, exists on both paths (the Triton path's backward dequantizes
 with the reference). ``PackedLinear`` is the ``nn.Linear`` replacement that holds the packed buffers.
+
+This module imports nothing of the project (``callbacks/kernels`` is a leaf), so the Triton import and the
+auto-selection repeat ``fake_quant.py``'s few lines.
 """
 from __future__ import annotations
 
@@ -21,12 +33,95 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from callbacks.kernels.fake_quant import HAS_TRITON, _use_triton, tl, triton
-from callbacks.kernels.int4 import check_shapes, dequantize, pack_int4
+try:  # optional: `pip install -c constraints.txt triton==3.7.1` (the test extra)
+    import triton
+    import triton.language as tl
 
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - CPU installs without the extra
+    triton = tl = None
+    HAS_TRITON = False
+
+BITS = 4
+LEVELS = 2 ** BITS
+EPS = 1e-8  # the floor on a scale, as in fake_quant.py (an all-zero group stays zero)
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def _use_triton(x: torch.Tensor, impl: str) -> bool:
+    """auto: Triton for CUDA tensors (when installed); triton: always (CPU needs TRITON_INTERPRET=1); torch: never."""
+    if impl == "auto":
+        return HAS_TRITON and x.is_cuda
+    if impl == "triton":
+        return True
+    if impl == "torch":
+        return False
+    raise ValueError(f"impl={impl!r}: use auto | triton | torch")
+
+
+# --- the format ------------------------------------------------------------------------------------------------------
+def check_shapes(out_features: int, in_features: int, group_size: int) -> int:
+    """The number of groups per row; one line naming the fix when the shapes do not fit the format."""
+    if in_features % 2:
+        raise ValueError(f"in_features={in_features} is odd: the packed int4 format holds two codes per byte, "
+                         "so the input dimension must be even")
+    if group_size <= 0 or in_features % group_size:
+        raise ValueError(f"group_size={group_size} does not divide in_features={in_features}: choose a divisor "
+                         f"(or group_size={in_features}: one group per row)")
+    return in_features // group_size
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """out × in integer codes in 0..15 -> out × in/2 uint8 (low nibble: even column, high nibble: odd column)."""
+    if codes.dim() != 2 or codes.shape[1] % 2:
+        raise ValueError(f"codes of shape {tuple(codes.shape)}: pack a 2-D out × in tensor with an even in")
+    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= LEVELS):
+        raise ValueError(f"codes span {int(codes.min())}..{int(codes.max())}: a 4-bit code holds 0..15")
+    c = codes.to(torch.uint8)
+    return c[:, 0::2] | (c[:, 1::2] << 4)
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``pack_int4``: out × in/2 uint8 -> out × in uint8 codes."""
+    if qweight.dtype != torch.uint8:
+        raise ValueError(f"qweight has dtype {qweight.dtype}: the packed format is uint8")
+    return torch.stack([qweight & 0xF, qweight >> 4], dim=-1).reshape(qweight.shape[0], -1)
+
+
+def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """The fp32 out × in weight the packed tensors stand for: (code − zero) · scale per group."""
+    codes = unpack_int4(qweight)
+    out, n = codes.shape
+    if scales.shape != zeros.shape or scales.shape[0] != out or n % scales.shape[1]:
+        raise ValueError(f"scales {tuple(scales.shape)} / zeros {tuple(zeros.shape)} do not fit a packed weight of "
+                         f"{out} × {n}: each needs out × (in / group_size)")
+    g = n // scales.shape[1]
+    s = scales.float().repeat_interleave(g, dim=1)
+    z = zeros.float().repeat_interleave(g, dim=1)
+    return (codes.float() - z) * s
+
+
+def quantize_rtn(weight: torch.Tensor, group_size: int = 128, symmetric: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes uint8, scales fp32, zeros fp32) of per-group round-to-nearest on ``fake_quant``'s 4-bit grids:
+    asymmetric (default): s = (max − min)/15, z = round(−min/s), code = clamp(round(w/s) + z, 0, 15);
+    symmetric: s = absmax/7, code = clamp(round(w/s), −7, 7) + 8, zero 8 (code 0 unused)."""
+    out, n = weight.shape
+    groups = check_shapes(out, n, group_size)
+    wg = weight.detach().float().reshape(out, groups, group_size)
+    if symmetric:
+        s = (wg.abs().amax(-1, keepdim=True) / 7).clamp_min(EPS)
+        z = torch.full_like(s, 8.0)
+        codes = torch.clamp(torch.round(wg / s), -7, 7) + 8
+    else:
+        lo, hi = wg.amin(-1, keepdim=True), wg.amax(-1, keepdim=True)
+        s = ((hi - lo) / (LEVELS - 1)).clamp_min(EPS)
+        z = torch.round(-lo / s)
+        codes = torch.clamp(torch.round(wg / s) + z, 0, LEVELS - 1)
+    return codes.reshape(out, n).to(torch.uint8), s.squeeze(-1), z.squeeze(-1)
+
+
+# --- the matmul ------------------------------------------------------------------------------------------------------
 def w4a16_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """Dequantize (fp32), cast to x's dtype, matmul: the definition the kernel must equal."""
@@ -129,7 +224,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
 
 
 class PackedLinear(nn.Module):
-    """A frozen linear layer whose weight is stored in the packed 4-bit format (``int4.py``), really 4-bit in memory
+    """A frozen linear layer whose weight is stored in the packed 4-bit format (module doc), really 4-bit in memory
     and in its state dict (buffers ``qweight`` uint8, ``scales``, ``zeros``, optional ``bias`` and ``input_scale``).
 
     ``input_scale`` (per input feature, AWQ's s): the layer computes (x / s) · Wᵀ, W the packed Q(W·diag s), so it

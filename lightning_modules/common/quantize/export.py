@@ -1,4 +1,4 @@
-"""Export a quantized model in the packed 4-bit format (``callbacks/kernels/int4.py``), really 4-bit on disk and
+"""Export a quantized model in the packed 4-bit format (``callbacks/kernels/w4a16.py``), really 4-bit on disk and
 in memory, and load it back; every quantized ``nn.Linear`` becomes a ``PackedLinear`` (the W4A16 matmul:
 Triton on CUDA, the PyTorch reference elsewhere).
 
@@ -31,8 +31,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from callbacks.kernels.int4 import LEVELS
-from callbacks.kernels.w4a16 import PackedLinear
+from callbacks.kernels.w4a16 import LEVELS, PackedLinear
 from lightning_modules.common.quantize.base import AffineGrid, Quantizer
 
 FORMAT = "paperlab-int4-affine-v1"
