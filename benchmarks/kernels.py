@@ -80,7 +80,11 @@ def markdown(title: str, rows: list[dict], note: str = "") -> str:
     if not rows:
         return "\n".join(lines + ["(no rows)", ""])
     cols = [c for c in dict.fromkeys(k for r in rows for k in r) if any(r.get(c) is not None for r in rows)]
-    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else "" if v is None else str(v)  # noqa: E731
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:.0f}" if abs(v) >= 1e4 else f"{v:.4g}"
+        return "" if v is None else str(v)
+
     lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(fmt(r.get(c)) for c in cols) + " |" for r in rows]
     return "\n".join(lines + [""])
@@ -146,7 +150,8 @@ def w4a16_rows(device: str, timer: Timer, shapes: list[tuple], tokens: list[int]
             def fb(fn):
                 return lambda: fn(xg).backward(gy)
 
-            ops = {"dense": lambda v: F.linear(v, dense), "reference": lambda v: w4a16_reference(v, qweight, scales, zeros),
+            ops = {"dense": lambda v: F.linear(v, dense),
+                   "reference": lambda v: w4a16_reference(v, qweight, scales, zeros),
                    "triton": lambda v: w4a16_linear(v, qweight, scales, zeros, impl="triton")}
             if not cuda:
                 ops.pop("triton")
@@ -184,7 +189,8 @@ def tiny_lm_bytes() -> dict | None:
     model = AutoModelForCausalLM.from_pretrained(str(location)).eval()
     fp_disk = (location / "model.safetensors").stat().st_size
     fp_mem = storage_bytes(model)
-    report = quantize_model(model, RTN(), [{"input_ids": torch.randint(0, 100, (1, 16))}], 4, with_limit=False, log=None)
+    calib = [{"input_ids": torch.randint(0, 100, (1, 16))}]  # RTN reads no statistics: any tokens do
+    report = quantize_model(model, RTN(), calib, 4, with_limit=False, log=None)
     skeleton = copy.deepcopy(model).to("meta")
     pack_skeleton(skeleton, 128, torch.float16)
     names = pack_model(model, report["grids"])
@@ -220,7 +226,8 @@ def bytes_rows(quick: bool) -> tuple[list[dict], str]:
     rows, notes = [], []
     tiny = tiny_lm_bytes()
     if tiny is None:
-        notes.append("tiny-lm is not built (python -m datamodules.common.tiny_models build tiny-lm): its row is skipped.")
+        notes.append("tiny-lm is not built (python -m datamodules.common.tiny_models build tiny-lm): "
+                     "its row is skipped.")
     else:
         rows.append(tiny)
     for name in ([] if quick else ["llama32_1b", "llada_8b"]):
@@ -252,7 +259,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     cuda = device == "cuda"
-    # on CPU the Triton kernels run only under TRITON_INTERPRET=1, and only at --quick sizes (their code path, not speed)
+    # on CPU the Triton kernels run only under TRITON_INTERPRET=1 and at --quick sizes (their code path, not speed)
     kernels = cuda or (args.quick and os.environ.get("TRITON_INTERPRET") == "1")
     timer = Timer(device, args.reps or (20 if cuda else 3 if args.quick else 5), warmup=1 if args.quick else 2)
     head = (f"{torch.cuda.get_device_name()}, bf16" if cuda else

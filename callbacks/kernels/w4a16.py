@@ -244,7 +244,8 @@ class PackedLinear(nn.Module):
         self.register_buffer("scales", torch.zeros(out_features, groups, dtype=scale_dtype, device=device))
         self.register_buffer("zeros", torch.zeros(out_features, groups, dtype=scale_dtype, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=dtype, device=device) if bias else None)
-        self.register_buffer("input_scale", torch.ones(in_features, dtype=dtype, device=device) if input_scale else None)
+        self.register_buffer("input_scale",
+                             torch.ones(in_features, dtype=dtype, device=device) if input_scale else None)
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

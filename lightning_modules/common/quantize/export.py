@@ -95,7 +95,7 @@ def pack_skeleton(model: nn.Module, group_size: int | None = None, scale_dtype: 
                   dtype: torch.dtype | None = None) -> list[str]:
     """Swap every linear the driver quantizes (those inside the repeated blocks) for an empty ``PackedLinear`` on
     the meta device (``group_size`` None: one group per row, as the rtn/gptq export): the packed model's size by
-    ``storage_bytes`` without any weights, e.g. for a paper-scale model built with ``build_backbone(spec, meta=True)``."""
+    ``storage_bytes`` without any weights, e.g. of a paper-scale model from ``build_backbone(spec, meta=True)``."""
     from lightning_modules.common.quantize.driver import blocks
 
     names = {id(m): n for n, m in model.named_modules()}

@@ -136,8 +136,8 @@ class QuantizeLMModule(CausalLMModule):
         before = storage_bytes(backbone)
         names = pack_model(backbone, report["grids"], report["input_scales"], quantizer=self.quantizer)
         path = save_packed(backbone, self.export_packed, names)
-        return {"dir": str(path), "layers": len(names), "bytes_memory_fp": before, "bytes_memory": storage_bytes(backbone),
-                "bytes_disk": sum(f.stat().st_size for f in path.iterdir())}
+        return {"dir": str(path), "layers": len(names), "bytes_memory_fp": before,
+                "bytes_memory": storage_bytes(backbone), "bytes_disk": sum(f.stat().st_size for f in path.iterdir())}
 
     def on_test_epoch_start(self):
         super().on_test_epoch_start()
