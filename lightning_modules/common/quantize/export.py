@@ -21,7 +21,10 @@ no grid; a grid of more than 16 levels fails naming the layer.
 On disk (``save_packed``): ``model.safetensors`` (the packed buffers, every other tensor as it is, tied weights once),
 ``buffers.safetensors`` (non-persistent buffers), ``config.json`` (the transformers config) and ``packed.json`` (the
 packed layers and the format). ``load_packed`` builds the model on the meta device, swaps in the packed layers and
-assigns the tensors, so loading never allocates the full-precision weights.
+assigns the tensors, so loading never allocates the full-precision weights. It returns the transformers model: a
+masked diffusion backbone (dllmquant) is wrapped again, ``MaskedDiffusionLM(load_packed(dir), mask_token_id)``.
+A packed layer has no ``weight`` (code that reads ``.weight`` of a block linear, e.g. LoRA on top, needs the
+full-precision model).
 """
 from __future__ import annotations
 
