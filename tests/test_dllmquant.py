@@ -271,3 +271,35 @@ def test_final_answer_reads_the_gsm8k_mark():
     assert final_answer("12 + 34 = 46 \n # # # # 46") == "46"
     assert final_answer("so 1,200 in all\n#### 1,200") == "1200"
     assert final_answer("no mark 7") is None
+
+
+def test_cgq_weights_export_packed_and_reload_as_the_diffusion_lm(tmp_path):
+    """W4A16 CGQ (GPTQ on token-weighted Σ, 16 levels) packs to 4 bits through the module's export (the backbone
+    inside the diffusion wrapper); the reloaded backbone, wrapped again as the masked diffusion LM, gives the
+    fake-quantized model's logits."""
+    from callbacks.kernels.w4a16 import PackedLinear
+    from lightning_modules.common.diffusion import MaskedDiffusionLM
+    from lightning_modules.common.quantize.export import load_packed
+    from lightning_modules.dllmquant.module import DLLMQuantModule
+
+    torch.manual_seed(0)
+    spec = {"family": "llama", "dtype": "float32", "diffusion": {"mask_token_id": 3},
+            "config": {"vocab_size": 40, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                       "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False}}
+    module = DLLMQuantModule(spec, quantizer=GPTQ(percdamp=0.01), a_bits=16, export_packed=str(tmp_path / "packed"))
+    module.configure_model()
+    dlm = module.model.eval()
+    batches = _batches(lambda ids: cgq.token_weights(ids, 3))
+    for b in batches:
+        b["input_ids"][:, ::3] = 3  # some masked positions, so c_j takes both values
+    report = quantize_model(module.quantized_backbone(), module.quantizer, batches, 4, with_limit=False, log=None)
+    ids = batches[0]["input_ids"]
+    with torch.no_grad():
+        want = dlm.logits(ids)
+        sizes = module.export(report)
+        again = MaskedDiffusionLM(load_packed(tmp_path / "packed"), mask_token_id=3)
+        got = again.logits(ids)
+    assert sizes["layers"] == 14 and isinstance(dlm.model.model.layers[1].mlp.down_proj, PackedLinear)
+    assert sizes["bytes_memory"] < sizes["bytes_memory_fp"] and sizes["bytes_disk"] > sizes["bytes_memory"]
+    assert isinstance(again.model.model.layers[1].mlp.down_proj, PackedLinear)
+    assert (got - want).abs().max() <= 2e-6 * want.abs().max()

@@ -14,21 +14,25 @@ import math
 import torch
 
 from lightning_modules.common.quantize.base import LayerStats, QuantResult, Quantizer
-from lightning_modules.common.quantize.rtn import absmax_scale, grid_rate_report, levels_for_rate, round_to_grid
+from lightning_modules.common.quantize.rtn import (absmax_scale, grid_rate_report, levels_for_rate, round_to_grid,
+                                                   symmetric_grid)
 
 
-def awq_quantize(weight: torch.Tensor, sigma: torch.Tensor, levels: int, a: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(Ŵ, codes, s) for one exponent ``a``."""
+def awq_quantize(weight: torch.Tensor, sigma: torch.Tensor, levels: int, a: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(Ŵ, codes, s, the per-row step of W·diag s) for one exponent ``a``."""
     w = weight.double()
     m = torch.diagonal(sigma.double()).clamp_min(0).sqrt()
     s = (m.clamp_min(1e-8) ** a) if a else torch.ones_like(m)
     ws = w * s
-    q, codes = round_to_grid(ws, absmax_scale(ws, levels), levels)
-    return q / s, codes, s
+    step = absmax_scale(ws, levels)
+    q, codes = round_to_grid(ws, step, levels)
+    return q / s, codes, s, step
 
 
 class AWQ(Quantizer):
     name = "awq"
+    no_grid_reason = None  # reports its AffineGrid
 
     def __init__(self, grid: int = 20, accounting: str = "cardinality"):
         if grid < 1:
@@ -42,11 +46,13 @@ class AWQ(Quantizer):
         levels = levels_for_rate(rate)
         best = None
         for a in self.exponents():
-            w_hat, codes, s = awq_quantize(weight, stats.sigma, levels, a)
+            w_hat, codes, s, step = awq_quantize(weight, stats.sigma, levels, a)
             d = weight.double() - w_hat
             err = float(((d @ stats.sigma.double()) * d).sum())
             if best is None or err < best[0]:
-                best = (err, a, w_hat, codes, s)
-        _, a, w_hat, codes, s = best
+                best = (err, a, w_hat, codes, s, step)
+        _, a, w_hat, codes, s, step = best
+        # the grid is W·diag(s)'s: a packed layer applies it to x / s (export.py)
         return QuantResult(w_hat, codes.to(torch.int32), grid_rate_report(codes, levels, self.accounting),
-                           {"levels": levels, "nominal_bits": math.log2(levels), "awq_a": a, "input_scale": s})
+                           {"levels": levels, "nominal_bits": math.log2(levels), "awq_a": a, "input_scale": s,
+                            "grid": symmetric_grid(step, levels)})

@@ -18,7 +18,10 @@ Test (all in ``on_test_epoch_end``; the datamodule's own test queries are ignore
 answer's number after "####" equals the reference's, quantized model) and ``test/accuracy_fp``; ``test/kl_bits/r<ratio>`` = KL(FP ‖ Q) in bits
 per masked position when a random share ``ratio`` of the answer is masked; ``test/kl_step/<i>`` along the FP
 sampler's trajectory, with ``test/kl_growth`` (least-squares slope, bits per step) and ``test/kl_traj`` (mean);
-``quant/packed_bytes`` (codes + row scales; int4 kernels and speed are not claimed) and ``quant/time_s``.
+``quant/packed_bytes`` (codes + row scales at the nominal rate; speed only by ``benchmarks/kernels.py`` on a GPU)
+and ``quant/time_s``. With ``export_packed`` (W4A16 only: a_bits = v_bits = 16) the weights are really packed to 4
+bits (``common/quantize/export.py``), the evaluation runs the packed model and ``quant/bytes_memory``,
+``quant/bytes_disk`` report it.
 """
 from __future__ import annotations
 
@@ -80,6 +83,9 @@ class DLLMQuantModule(QuantizeLMModule):
         super().__init__(backbone, quantizer=quantizer, rate=rate, n_calib=n_calib, calib_batch_size=calib_batch_size,
                          calib_seed=calib_seed, stats_device=stats_device, **kw)
         self.a_bits, self.v_bits = int(a_bits), int(a_bits if v_bits is None else v_bits)
+        if self.export_packed and min(self.a_bits, self.v_bits) < 16:
+            raise ValueError("model.export_packed packs the weights (W4A16): activations and V are only fake-quantized "
+                             "here, so set model.a_bits=16 and model.v_bits=16 to export")
         self.calib, self.n_prompts, self.n_test = calib, n_prompts, n_test
         self.kl_ratios, self.seed = [float(r) for r in kl_ratios], seed
         self.clip_ratios: dict[int, float] = {}
@@ -210,6 +216,10 @@ class DLLMQuantModule(QuantizeLMModule):
                         "layers": report["layers"]}
         return report
 
+    def quantized_backbone(self):
+        """The transformers model inside the diffusion wrapper: the driver's layer names are its own."""
+        return self.model.model
+
     # --- evaluation ----------------------------------------------------------------------------------------------
     def on_test_epoch_start(self):
         self.model.eval()
@@ -272,6 +282,9 @@ class DLLMQuantModule(QuantizeLMModule):
         for key in ("bits", "packed_bytes", "quant_time_s", "rel_mse"):
             if q.get(key) is not None:
                 metrics[f"quant/{key if key != 'quant_time_s' else 'time_s'}"] = float(q[key])
+        for key, val in self.results.get("packed", {}).items():  # the exported 4-bit model (export_packed)
+            if key.startswith("bytes_"):
+                metrics[f"quant/{key}"] = float(val)
         for k, v in metrics.items():
             self.log(k, v)
         self.results["kl_per_step"] = dict(zip(steps, curve))

@@ -144,6 +144,8 @@ class WaterSIC(Quantizer):
 
     name = "watersic"
     fractional_rate = True
+    no_grid_reason = ("its codes are unbounded integers (entropy-coded, never clipped) scaled per column (α_j γ_j g_j) "
+                      "and per row (t_i), not a grid of at most 16 levels with a scale and zero per group")
 
     def __init__(self, percdamp: float = 1e-4, rescalers: bool = True, target_rate: bool = True,
                  accounting: str = "pooled", tol: float = 0.005, max_evals: int = 6, search_fraction: float = 0.1,

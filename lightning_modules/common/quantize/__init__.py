@@ -7,6 +7,8 @@ accounting, and the Gaussian rate-distortion limit.
 - ``rtn.py`` (``RTN``, the shared ``round_to_grid``), ``gptq.py`` (``GPTQ``, ``HuffmanGPTQ``): the common baselines.
 - ``rate.py``: entropy (pooled and per-column) + side information. ``limits.py``: R(D) by reverse waterfilling.
 - ``module.py``: ``QuantizeLMModule``, the Lightning module every quantization paper subclasses.
+- ``export.py``: ``model.export_packed``: a quantized model packed to 4 bits (``callbacks/kernels/w4a16.py``), saved
+  and reloaded (rtn, gptq, awq grids; not watersic's).
 
 A quantizer is chosen by ``_target_`` in the config group ``conf/model/quantizer/`` (``model/quantizer=gptq``), so a
 new method adds files and never edits this package.

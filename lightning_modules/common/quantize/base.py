@@ -57,7 +57,19 @@ class QuantResult:
     weight: torch.Tensor          # Ŵ, float64, a×n
     codes: torch.Tensor           # integer codes, a×n (zeros in dead columns)
     rate: RateReport
-    info: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)  # "grid": an AffineGrid, when Ŵ lies on one (export.py packs it)
+
+
+@dataclass
+class AffineGrid:
+    """The uniform grid Ŵ lies on: Ŵ[i, j] = (c[i, j] − zero[i, j // G]) · scale[i, j // G] with integer codes
+    c ∈ {0, …, levels − 1}, G = n / scale.shape[1] (one column of scales: one group per row). A quantizer that
+    reports it in ``QuantResult.info["grid"]`` can be exported in the packed 4-bit format when levels ≤ 16
+    (``export.py``). With an ``info["input_scale"]`` s (AWQ) it is the grid of Ŵ·diag(s)."""
+
+    scale: torch.Tensor           # a × groups
+    zero: torch.Tensor            # a × groups (a float: half-integer for a mid-rise grid)
+    levels: int
 
 
 class Quantizer:
@@ -72,6 +84,9 @@ class Quantizer:
 
     name = "base"
     fractional_rate = False
+    # None when the method reports an ``AffineGrid`` (its result can be packed, export.py); else why not, for the
+    # one-line error of ``model.export_packed``
+    no_grid_reason: str | None = "it reports no affine grid (QuantResult.info['grid'])"
 
     def quantize(self, weight: torch.Tensor, stats: LayerStats, rate: float,
                  rate_control: bool = False) -> QuantResult:  # pragma: no cover

@@ -105,8 +105,9 @@ def quantize_model(model, quantizer: Quantizer, batches: list[dict], rate: float
                    attn_weighted_qkv: float | None = None, zero_out_rows: dict | None = None, eps_search: bool = False,
                    eps_steps: int = 10, log=print) -> dict:
     """Quantize ``model`` in place; returns {"layers": [...], "summary": {...}, "factors": {name: (t, g)}} (the
-    diagonal factors of each factored Ŵ = diag(t)·A·diag(g), WaterSIC's, for WaterSIC-FT) and "input_scales"
-    {name: s} (AWQ's per-input-channel scales, for an activation quantizer that must see x/s).
+    diagonal factors of each factored Ŵ = diag(t)·A·diag(g), WaterSIC's, for WaterSIC-FT), "input_scales"
+    {name: s} (AWQ's per-input-channel scales, for an activation quantizer that must see x/s) and "grids"
+    {name: AffineGrid} (each layer's uniform grid, from quantizers that report one: what ``export.py`` packs).
     A batch may carry ``token_weight`` (B×S, c_j ≥ 0): every Σ is then Σ_j c_j x_j x_jᵀ / Σ_j c_j (dllmquant's CGQ).
 
     ``stats_device``: where plain mode keeps its float64 Σ accumulators (e.g. ``cpu`` when all layers' Σ do not fit
@@ -127,7 +128,7 @@ def quantize_model(model, quantizer: Quantizer, batches: list[dict], rate: float
         budget_bits, budget_weights = rate * total, total
         budgeted = rate_control and quantizer.fractional_rate
         rows: list[dict] = []
-        plain_stats, eps, factors, input_scales = {}, {}, {}, {}
+        plain_stats, eps, factors, input_scales, grids = {}, {}, {}, {}, {}
         if mode == "plain":
             with MomentCollector({g[0][0]: g[0][1] for g in groups}, device=stats_device) as col:
                 for b in batches:
@@ -162,6 +163,8 @@ def quantize_model(model, quantizer: Quantizer, batches: list[dict], rate: float
                     factors[name] = rep.pop("factors")
                 if "input_scale" in rep:
                     input_scales[name] = rep.pop("input_scale")
+                if "grid" in rep:
+                    grids[name] = rep.pop("grid")
                 mod.weight.copy_(w_hat.to(mod.weight.dtype))
                 mse = stats.output_error(w, w_hat)
                 row = {"layer": name, "rows": w.shape[0], "cols": w.shape[1], "target": target, "zeroed_rows": len(zero),
@@ -174,7 +177,8 @@ def quantize_model(model, quantizer: Quantizer, batches: list[dict], rate: float
                 budget_weights -= w.numel()
                 if log:
                     log(f"[quantize] {name}: {row['bits']:.3f} bits, rel. output MSE {row['rel_mse']:.4g}")
-    return {"layers": rows, "summary": _summary(rows), "factors": factors, "input_scales": input_scales}
+    return {"layers": rows, "summary": _summary(rows), "factors": factors, "input_scales": input_scales,
+            "grids": grids}
 
 
 def quantize_rows(quantizer: Quantizer, w: torch.Tensor, stats: LayerStats, rate: float, rate_control: bool,
@@ -201,6 +205,12 @@ def quantize_rows(quantizer: Quantizer, w: torch.Tensor, stats: LayerStats, rate
         rep["factors"] = (t, res.info["g"])
     if "input_scale" in res.info:  # per-input-channel scale s (AWQ): Ŵ = Q(W·diag s)·diag(1/s)
         rep["input_scale"] = res.info["input_scale"]
+    if "grid" in res.info:  # the zeroed rows get scale 0: every code decodes to 0 there
+        g = res.info["grid"]
+        scale = torch.zeros(w.shape[0], g.scale.shape[1], dtype=g.scale.dtype)
+        zero = torch.zeros_like(scale)
+        scale[keep.cpu()], zero[keep.cpu()] = g.scale, g.zero
+        rep["grid"] = dataclasses.replace(g, scale=scale, zero=zero)
     return w_hat, rep
 
 

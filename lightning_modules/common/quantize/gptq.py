@@ -24,7 +24,14 @@ import torch
 
 from lightning_modules.common.quantize.base import LayerStats, QuantResult, Quantizer
 from lightning_modules.common.quantize.rate import secant_search
-from lightning_modules.common.quantize.rtn import absmax_scale, grid_rate_report, levels_for_rate, round_to_grid
+from lightning_modules.common.quantize.rtn import (absmax_scale, grid_rate_report, levels_for_rate, round_to_grid,
+                                                   symmetric_grid)
+
+
+def gptq_scale(weight: torch.Tensor, sigma: torch.Tensor, levels: int) -> torch.Tensor:
+    """GPTQ's per-row step: the absmax grid of the rows with the dead inputs (Σ_jj = 0) zeroed."""
+    dead = torch.diagonal(sigma) == 0
+    return absmax_scale(torch.where(dead, 0.0, weight.double()), levels)
 
 
 def gptq_quantize(weight: torch.Tensor, sigma: torch.Tensor, levels: int, percdamp: float = 0.01,
@@ -38,7 +45,7 @@ def gptq_quantize(weight: torch.Tensor, sigma: torch.Tensor, levels: int, percda
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    scale = absmax_scale(w, levels) if scale is None else scale
+    scale = gptq_scale(weight, sigma, levels) if scale is None else scale
     perm = None
     if act_order:
         perm = torch.argsort(torch.diagonal(h), descending=True)
@@ -74,6 +81,7 @@ class GPTQ(Quantizer):
     """GPTQ; ``extra_bit=True`` makes it Huffman-GPTQ (2^{R+1}−1 levels, entropy-coded rate)."""
 
     name = "gptq"
+    no_grid_reason = None  # reports its AffineGrid
 
     def __init__(self, percdamp: float = 0.01, blocksize: int = 128, extra_bit: bool = False,
                  error_feedback: bool = True, act_order: bool = False, accounting: str | None = None,
@@ -91,10 +99,11 @@ class GPTQ(Quantizer):
         if self.target_rate:
             return self._rate_targeted(weight, stats, rate)
         levels = levels_for_rate(rate, extra_bit=self.extra_bit)
+        scale = gptq_scale(weight, stats.sigma, levels)
         w_hat, codes = gptq_quantize(weight, stats.sigma, levels, self.percdamp, self.blocksize,
-                                     self.error_feedback, self.act_order)
+                                     self.error_feedback, self.act_order, scale=scale)
         return QuantResult(w_hat, codes, grid_rate_report(codes, levels, self.accounting),
-                           {"levels": levels, "nominal_bits": math.log2(levels)})
+                           {"levels": levels, "nominal_bits": math.log2(levels), "grid": symmetric_grid(scale, levels)})
 
 
     def _rate_targeted(self, weight, stats, rate):
@@ -107,7 +116,7 @@ class GPTQ(Quantizer):
             w_hat, codes = gptq_quantize(weight, stats.sigma, levels, self.percdamp, self.blocksize,
                                          self.error_feedback, self.act_order, scale=absmax / h)
             res = QuantResult(w_hat, codes, grid_rate_report(codes, levels, self.accounting),
-                              {"levels": levels, "half_width": h, "r": r})
+                              {"levels": levels, "half_width": h, "r": r, "grid": symmetric_grid(absmax / h, levels)})
             if not best or abs(res.rate.bits - rate) < abs(best[0].rate.bits - rate):
                 best[:] = [res]
             return res.rate.bits

@@ -44,6 +44,9 @@ class QuantizeLMModule(CausalLMModule):
         residual_compensation / attn_weighted_qkv (ε, null = off) / zero_out_rows ({name substring: [rows]}) /
             eps_search, eps_steps: WaterSIC's pipeline extras (``driver.py``; sequential mode; off by default as in
             the release's CLI, on in the paper-scale experiments).
+        export_packed: a directory (e.g. ``${paths.output_dir}/packed``): after quantization every quantized linear
+            is packed to 4 bits in place (``export.py``: rtn, gptq, awq; WaterSIC cannot) and the checkpoint written
+            there; the test loop then runs the packed model, and ``quant/bytes_*`` report its size. null = off.
         method: removed (the old string registry); set, it fails with one line naming ``model/quantizer=<name>``.
     """
 
@@ -53,8 +56,8 @@ class QuantizeLMModule(CausalLMModule):
                  eval_sets: Mapping[str, Mapping[str, Any]] | None = None, eval_seq_len: int = 2048,
                  eval_batch_size: int = 4, stats_device: str | None = None, residual_compensation: bool = False,
                  attn_weighted_qkv: float | None = None, zero_out_rows: Mapping[str, list[int]] | None = None,
-                 eps_search: bool = False, eps_steps: int = 10, optimizer=None, scheduler=None,
-                 weight_decay: float = 0.0, method: str | None = None):
+                 eps_search: bool = False, eps_steps: int = 10, export_packed: str | None = None, optimizer=None,
+                 scheduler=None, weight_decay: float = 0.0, method: str | None = None):
         if method is not None:
             raise ValueError(f"model.method={method} is gone: choose the quantizer with model/quantizer={method}")
         quantizer = self.default_quantizer() if quantizer is None else quantizer
@@ -74,6 +77,10 @@ class QuantizeLMModule(CausalLMModule):
                        "zero_out_rows": dict(zero_out_rows or {}), "eps_search": eps_search, "eps_steps": eps_steps}
         if mode != "sequential" and (residual_compensation or attn_weighted_qkv is not None or eps_search):
             raise ValueError("model.residual_compensation / attn_weighted_qkv / eps_search need model.mode=sequential")
+        if export_packed and quantizer.no_grid_reason:
+            raise ValueError(f"model.export_packed: {quantizer.name} cannot be packed to 4 bits: "
+                             f"{quantizer.no_grid_reason}; use model/quantizer=rtn|gptq, or unset export_packed")
+        self.export_packed = export_packed
         self._reference: list = []  # a list, so the copy is not registered as a submodule (or checkpointed)
         self.quantized = False
         self.results: dict = {}
@@ -112,7 +119,25 @@ class QuantizeLMModule(CausalLMModule):
 
     def on_test_start(self):
         if not self.quantized:
-            self.quantize(self.calibration_batches())
+            report = self.quantize(self.calibration_batches())
+            if self.export_packed:
+                self.results["packed"] = self.export(report)
+
+    def quantized_backbone(self):
+        """The module the driver quantized (its layer names are the report's)."""
+        return self.model
+
+    def export(self, report: dict) -> dict:
+        """Pack every quantized linear to 4 bits in place and write the checkpoint to ``export_packed``; returns
+        the bytes in memory before and after and on disk."""
+        from lightning_modules.common.quantize.export import pack_model, save_packed, storage_bytes
+
+        backbone = self.quantized_backbone()
+        before = storage_bytes(backbone)
+        names = pack_model(backbone, report["grids"], report["input_scales"], quantizer=self.quantizer)
+        path = save_packed(backbone, self.export_packed, names)
+        return {"dir": str(path), "layers": len(names), "bytes_memory_fp": before,
+                "bytes_memory": storage_bytes(backbone), "bytes_disk": sum(f.stat().st_size for f in path.iterdir())}
 
     def on_test_epoch_start(self):
         super().on_test_epoch_start()
@@ -143,6 +168,9 @@ class QuantizeLMModule(CausalLMModule):
             val = self.results.get("quantization", {}).get(key)
             if val is not None:
                 self.log(f"quant/{key}", float(val))
+        for key in ("bytes_memory_fp", "bytes_memory", "bytes_disk"):
+            if key in self.results.get("packed", {}):
+                self.log(f"quant/{key}", float(self.results["packed"][key]))
         self.dashboard(self.results.get("layers") or [])
 
     def dashboard(self, layers: list[dict]) -> None:

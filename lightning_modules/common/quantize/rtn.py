@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from lightning_modules.common.quantize.base import LayerStats, QuantResult, Quantizer
+from lightning_modules.common.quantize.base import AffineGrid, LayerStats, QuantResult, Quantizer
 from lightning_modules.common.quantize.rate import RateReport, column_entropy_bits, entropy_bits, row_scale_side_bits
 
 
@@ -36,6 +36,15 @@ def round_to_grid(x: torch.Tensor, scale: torch.Tensor, levels: int) -> tuple[to
     return (q + 0.5) * scale, q
 
 
+def symmetric_grid(scale: torch.Tensor, levels: int) -> AffineGrid:
+    """The ``round_to_grid`` grid as an affine one (``export.py`` packs it): code c = q + m ∈ 0..levels−1, the per-row
+    step as the scale (one group per row) and zero m (odd levels: Ŵ = q·s) or m − ½ (even, mid-rise: Ŵ = (q + ½)·s)."""
+    m = levels // 2
+    zero = m if levels % 2 else m - 0.5
+    step = scale.detach().double().cpu().reshape(-1, 1)
+    return AffineGrid(step, torch.full_like(step, zero), levels)
+
+
 def levels_for_rate(rate: float, extra_bit: bool = False) -> int:
     """2^R levels (log-cardinality R), or 2^{R+1}−1 (odd) with ``extra_bit`` (Huffman-GPTQ, spec §4.4)."""
     if extra_bit:
@@ -55,6 +64,7 @@ class RTN(Quantizer):
     """Per-row absmax round-to-nearest with 2^R levels; rate on the log-cardinality axis by default."""
 
     name = "rtn"
+    no_grid_reason = None  # reports its AffineGrid
 
     def __init__(self, accounting: str = "cardinality"):
         self.accounting = accounting
@@ -62,6 +72,7 @@ class RTN(Quantizer):
     def quantize(self, weight: torch.Tensor, stats: LayerStats | None, rate: float, rate_control: bool = False) -> QuantResult:
         w = weight.double()
         levels = levels_for_rate(rate)
-        w_hat, codes = round_to_grid(w, absmax_scale(w, levels), levels)
+        scale = absmax_scale(w, levels)
+        w_hat, codes = round_to_grid(w, scale, levels)
         return QuantResult(w_hat, codes.to(torch.int32), grid_rate_report(codes, levels, self.accounting),
-                           {"levels": levels, "nominal_bits": math.log2(levels)})
+                           {"levels": levels, "nominal_bits": math.log2(levels), "grid": symmetric_grid(scale, levels)})
