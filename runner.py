@@ -337,6 +337,14 @@ def _needs_no_logger(callbacks: list, loggers: list) -> list:
 
 
 def _run(cfg: DictConfig, state: _State):
+    if cfg.get("preflight") not in (None, False, "print", "only"):
+        raise ConfigError(f"preflight={cfg.preflight!r}: choose print (then run), only (debug=preflight) or null")
+    if cfg.get("preflight"):  # before check_config: it runs on the machine without the GPU it sizes
+        from lightning_modules.common.preflight import preflight
+
+        preflight(cfg)
+        if cfg.preflight == "only":
+            return None
     check_config(cfg)
     import lightning as L
     from hydra.utils import instantiate
