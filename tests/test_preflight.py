@@ -150,8 +150,8 @@ def test_counted_memory_matches_a_tiny_run(overrides, lora, tmp_path):
 
 
 def test_zero_and_ddp_accounting():
-    """ZeRO's per-GPU bytes (Rajbhandari et al. 2020, §3: 2Ψ + 2Ψ + 12Ψ under mixed-precision Adam): ZeRO-3 divides all
-    16 bytes/parameter by the data-parallel degree, ZeRO-2 all but the 2-byte weights; DDP replicates everything."""
+    """ZeRO's per-GPU bytes (Rajbhandari et al. 2020, §3: 2Ψ + 2Ψ + 12Ψ under mixed-precision Adam): ZeRO-3 divides
+    all 16 bytes/parameter by the data-parallel degree, ZeRO-2 all but the 2-byte weights; DDP replicates everything."""
     from omegaconf import OmegaConf
 
     cfg = compose("lm_llama7b", ["debug=preflight"])  # bf16 backbone, bf16-mixed, ZeRO-3 on 8 GPUs

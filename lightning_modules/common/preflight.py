@@ -178,7 +178,10 @@ def strategy_of(cfg: DictConfig) -> Strategy:
     world = max(n, 1) * int(tr.get("num_nodes") or 1)
     strategy = tr.get("strategy")
     target = strategy.get("_target_", "") if isinstance(strategy, DictConfig) else str(strategy or "")
-    if "DeepSpeed" in target or "deepspeed" in target:
+    if "deepspeed" in target.lower():
+        if not isinstance(strategy, DictConfig):  # Lightning's registry names: deepspeed_stage_3_offload
+            stage = int(re.search(r"stage_(\d)", target).group(1)) if "stage_" in target else 2
+            return Strategy(f"zero{stage}", world, "offload" in target, "offload" in target and stage == 3)
         stage = int(strategy.get("stage", 2))
         return Strategy(f"zero{stage}", world, bool(strategy.get("offload_optimizer")),
                         bool(strategy.get("offload_parameters")) and stage == 3)
@@ -225,8 +228,14 @@ def _find(node, key: str):
     return None
 
 
+def _core(model):
+    """The transformers model inside what a hook returns (itself, a peft wrapper, or a container beside gates)."""
+    return next((m for m in model.modules() if hasattr(m, "get_input_embeddings")), model)
+
+
 def _embedding_ids(model) -> set[int]:
     out = set()
+    model = _core(model)
     for getter in ("get_input_embeddings", "get_output_embeddings"):
         mod = getattr(model, getter, lambda: None)()
         if mod is not None:
@@ -384,7 +393,8 @@ def layer_activation_bytes(block: Block, tokens: int, p: int, r: int | None = No
         norms += (4 + 2 * p) * (a + k) * d
     attn = 2 * p * a * d + 2 * p * k * d + 4 * a
     mlp_one = (4 if block.gated else 2) * p * inter
-    mlp = block.experts_per_token * mlp_one + (2 * p * h * block.experts_per_token if block.experts_per_token > 1 else 0)
+    top_k = block.experts_per_token
+    mlp = top_k * mlp_one + (2 * p * h * top_k if top_k > 1 else 0)  # + the routed copies in and out
     casts = ((3 if block.separate_qkv else 1) + (2 if block.gated else 1)) * p * h if autocast else 0
     return tokens * (norms + attn + mlp + casts)
 
@@ -418,6 +428,13 @@ def eval_activation_bytes(block: Block, batch: int, seq: int, p: int) -> float:
     tokens = batch * seq
     per_token = 2 * p * block.hidden + 3 * p * block.intermediate * block.experts_per_token
     return tokens * (per_token + p * block.vocab + 8 * block.vocab)
+
+
+def prefill_bytes(block: Block, rows: int, prompt: int, p: int) -> float:
+    """Generation's prefill, no grad: the residual stream and one layer's MLP working set over the prompt, and the
+    last position's logits only (what ``generate`` keeps)."""
+    return rows * prompt * (2 * p * block.hidden + 3 * p * block.intermediate * block.experts_per_token) + \
+        rows * (p + 8) * block.vocab
 
 
 def kv_cache_bytes(block: Block, rows: int, tokens: int, p: int) -> float:
@@ -504,8 +521,8 @@ def _generations(cfg, model_cfg, data, trains, prompt, prompt_key, max_len):
         if ctx is None and not new:
             continue
         if "group_size" in node:
-            b, bkey = (data.get("batch_size"), "data.batch_size") if trains else \
-                _first((data.get("eval_batch_size"), "data.eval_batch_size"), (data.get("batch_size"), "data.batch_size"))
+            b, bkey = (data.get("batch_size"), "data.batch_size") if trains else _first(
+                (data.get("eval_batch_size"), "data.eval_batch_size"), (data.get("batch_size"), "data.batch_size"))
             rows, rkey = (b or 1) * int(node["group_size"]), f"{bkey} x {path}.group_size"
         else:
             rows, rkey = _first((node.get("batch_size"), f"{path}.batch_size"),
@@ -554,14 +571,14 @@ def estimate(cfg: DictConfig) -> dict:
     if trained.model is None:
         out["model"] = None
         out["notes"].append("no local model: nothing to place on a GPU")
-        _tokens(out, cfg, header, None)
+        _tokens(out, cfg, header)
         return out
     static = static_memory(cfg, trained, model_cfg)
     out.update(static)
     out["model"] = getattr(config, "model_type", None) or type(trained.model).__name__
     block = block_of(config, trained.model) if config is not None else None
     spec = cfg.get("backbone") or {}
-    checkpointing = trained.checkpointing if trained.checkpointing is not None else bool(spec.get("gradient_checkpointing"))
+    checkpointing = bool(spec.get("gradient_checkpointing")) if trained.checkpointing is None else trained.checkpointing
     precision = _precision(cfg)
     # the compute dtype: 16-bit under any 16-bit precision, else the dtype the embeddings (the residual stream) have
     stream = _stream_bytes(trained.model)
@@ -583,7 +600,7 @@ def estimate(cfg: DictConfig) -> dict:
             kind = "mixture-of-experts " if block.experts_per_token > 1 else ""
             out["notes"].append(f"activations: the LLaMA-block formula applied to a {kind}{config.model_type} block "
                                 "(approximate)")
-        if _is_vlm(trained.model):
+        if spec.get("kind") == "image_text_to_text":
             out["notes"].append("activations: the language model only (the vision tower's are not counted)")
         if "train" not in shapes and static["params_trainable"] and "fit" in out["task"]:
             out["notes"].append("training length unknown (no data.seq_len, data.n_tokens or model.max_length): "
@@ -600,8 +617,7 @@ def estimate(cfg: DictConfig) -> dict:
         if "generate" in shapes:
             g = shapes["generate"]
             dynamic["kv_cache"] = kv_cache_bytes(block, g["rows"], g["tokens"], p)
-            dynamic["generate_working_set"] = eval_activation_bytes(block, g["rows"], g["prompt"], p) \
-                - g["rows"] * g["prompt"] * (p + 8) * block.vocab  # prefill keeps the last position's logits only
+            dynamic["generate_working_set"] = prefill_bytes(block, g["rows"], g["prompt"], p)
     out.update(dynamic)
     static_total = sum(static[k] for k in ("weights", "gradients", "master_weights", "optimizer_states", "buffers",
                                            "frozen_copies"))
@@ -609,14 +625,14 @@ def estimate(cfg: DictConfig) -> dict:
               "generate": dynamic.get("kv_cache", 0.0) + dynamic.get("generate_working_set", 0.0)}
     worst = max(phases, key=phases.get)
     out["static"], out["peak"], out["peak_phase"] = static_total, static_total + phases[worst], worst
-    _tokens(out, cfg, header, block)
+    _tokens(out, cfg, header)
     _check_hardware(out, cfg)
     return out
 
 
 def _stream_bytes(model) -> int:
     """Bytes per element of the residual stream: the input embeddings' dtype (else the mean over the parameters)."""
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    emb = _core(model).get_input_embeddings() if hasattr(_core(model), "get_input_embeddings") else None
     if emb is not None and getattr(emb, "weight", None) is not None:
         return emb.weight.element_size()
     return 4 if _bytes_per_param(model) > 2 else 2
@@ -624,18 +640,21 @@ def _stream_bytes(model) -> int:
 
 def _linear_weights(model) -> float:
     """Parameters of the 2-D weights autocast copies to 16 bits for every forward (linear layers and the LM head)."""
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    emb = _core(model).get_input_embeddings() if hasattr(_core(model), "get_input_embeddings") else None
     skip = {id(p) for p in emb.parameters()} if emb is not None else set()
-    return float(sum(p.numel() for p in model.parameters() if p.ndim == 2 and id(p) not in skip and p.is_floating_point()))
+    return float(sum(p.numel() for p in model.parameters()
+                     if p.ndim == 2 and id(p) not in skip and p.is_floating_point()))
 
 
-def _tokens(out: dict, cfg: DictConfig, header: Mapping, block) -> None:
+def _tokens(out: dict, cfg: DictConfig, header: Mapping) -> None:
+    """Global batch (data.batch_size x ranks x accumulation), tokens (x data.seq_len x max_steps) and the header's."""
     tr, data = cfg.trainer, cfg.get("data") or {}
     accumulate = int(tr.get("accumulate_grad_batches") or 1)
     batch = data.get("batch_size") if isinstance(data, DictConfig) else None
-    out["global_batch"] = batch * out["world_size"] * accumulate if isinstance(batch, int) and out["optimizer_steps"] else None
+    steps = out["optimizer_steps"]
+    out["global_batch"] = batch * out["world_size"] * accumulate if isinstance(batch, int) and steps else None
     seq = data.get("seq_len") if isinstance(data, DictConfig) else None
-    out["tokens"] = out["global_batch"] * seq * out["optimizer_steps"] if out["global_batch"] and isinstance(seq, int) else None
+    out["tokens"] = out["global_batch"] * seq * steps if out["global_batch"] and isinstance(seq, int) else None
     out["header_tokens"] = header.get("tokens")
 
 
