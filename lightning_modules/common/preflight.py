@@ -586,6 +586,9 @@ def estimate(cfg: DictConfig) -> dict:
     autocast = "mixed" in precision and not st.deepspeed
     r = stream if autocast else p
     out["activation_dtype_bytes"], out["checkpointing"] = p, checkpointing
+    # the layer formula was checked on this block (LLaMA-like, dense), without checkpointing
+    out["activation_formula_checked"] = bool(block and block.llama_like and block.experts_per_token == 1
+                                             and not checkpointing)
     shapes = workloads(cfg, model_cfg, config)
     if "train" in shapes and trained.micro_batches > 1:
         s = shapes["train"]
@@ -734,18 +737,20 @@ def render(report: Mapping[str, Any]) -> None:
     if report.get("model") is not None:
         table.add_row("parameters", f"{_count(report['params_total'])}", f"{report['model']}; "
                       f"{_count(report['params_trainable'])} trained")
-        table.add_row("weights", _gib(report["weights"]), "counted")
-        table.add_row("gradients", _gib(report["gradients"]), "counted")
+        table.add_row("weights", _gib(report["weights"]), "counted (checked)")
+        table.add_row("gradients", _gib(report["gradients"]), "counted (checked)")
         opt = report["optimizer"]
         table.add_row("optimizer states", _gib(report["optimizer_states"] + report["master_weights"]),
-                      "counted" + (f": {opt}" if opt else "") + (", fp32 master" if report["master_weights"] else ""))
+                      "counted (checked)" + (f": {opt}" if opt else "")
+                      + (", fp32 master" if report["master_weights"] else ""))
         if report["buffers"]:
             table.add_row("buffers", _gib(report["buffers"]), f"formula: {report['buffers_what']}")
         if report["frozen_copies"]:
             table.add_row("frozen copies", _gib(report["frozen_copies"]), "counted: reference / π_ref weights")
         if "activations_train" in report:
             s = shapes["train"]
-            how = f"formula: {_tokens_text(s['batch'], s['seq'])}, " + \
+            how = f"formula{' (checked)' if report['activation_formula_checked'] else ''}: " \
+                f"{_tokens_text(s['batch'], s['seq'])}, " + \
                 ("checkpointed" if report["checkpointing"] else "no checkpointing") + \
                 f"; logits + loss {_gib(report['logits_train'])}"
             if report.get("autocast_weight_copies"):
@@ -758,7 +763,7 @@ def render(report: Mapping[str, Any]) -> None:
         if "kv_cache" in report:
             g = shapes["generate"]
             table.add_row("KV cache (generate)", _gib(report["kv_cache"]),
-                          f"formula: {g['rows']} rows x {g['tokens']:,} tokens"
+                          f"formula (checked): {g['rows']} row{'s' if g['rows'] != 1 else ''} x {g['tokens']:,} tokens"
                           f" (+ prefill {_gib(report['generate_working_set'])})")
         table.add_row("peak", _gib(report["peak"]), f"static {_gib(report['static'])} + {report['peak_phase']}",
                       style="bold")
@@ -772,6 +777,9 @@ def render(report: Mapping[str, Any]) -> None:
                       f"tokens {tokens} (header {header})")
     table.add_row("GPU-hours", report.get("header_gpu_hours") or "-", f"header: {_short(report.get('hardware'))}")
     console.print(table)
+    if report.get("model") is not None:
+        console.print("  counted: parameters x bytes stored; formula: see common/preflight.py; (checked): against a "
+                      "tiny CPU run by tests/test_preflight.py", highlight=False)
     for name, s in shapes.items():
         console.print(f"  {name} shape from {s['from']}", highlight=False)
     for note in report.get("notes", []):
