@@ -21,18 +21,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.tables import experiments
 from lightning_modules.common import preflight as pf
 from runner import compose
 
 ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml"))
 
 
 def _estimate(experiment: str, tmp_path, *overrides) -> dict:
     return pf.estimate(compose(experiment, ["debug=preflight", *overrides], output_dir=tmp_path))
 
 
-@pytest.mark.parametrize("experiment", experiments())
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_experiment_has_a_preflight(experiment, tmp_path):
     report = pf.estimate(cfg := compose(experiment, ["debug=preflight"], output_dir=tmp_path))
     assert cfg.preflight == "only"

@@ -701,7 +701,8 @@ def _gib(x: float | None) -> str:
     return f"{x:.0f} B"
 
 
-def _count(n: int | None) -> str:
+def count_text(n: int | None) -> str:
+    """A parameter count as 7.14B / 529M / 256."""
     if not n:
         return "0"
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
@@ -735,8 +736,8 @@ def render(report: Mapping[str, Any]) -> None:
     table.add_column("how")
     shapes = report.get("shapes", {})
     if report.get("model") is not None:
-        table.add_row("parameters", f"{_count(report['params_total'])}", f"{report['model']}; "
-                      f"{_count(report['params_trainable'])} trained")
+        table.add_row("parameters", f"{count_text(report['params_total'])}", f"{report['model']}; "
+                      f"{count_text(report['params_trainable'])} trained")
         table.add_row("weights", _gib(report["weights"]), "counted (checked)")
         table.add_row("gradients", _gib(report["gradients"]), "counted (checked)")
         opt = report["optimizer"]

@@ -113,13 +113,13 @@ class GrowthModule(CausalLMModule):
     @classmethod
     def preflight_model(cls, model_cfg: Mapping[str, Any], backbone):
         """The meta source grown as ``grow`` grows it (``common/preflight.py``): the grown model trains in full."""
-        from lightning_modules.common.preflight import Trained
+        from lightning_modules.common.preflight import Trained, count_text
 
         source = ops.parameter_counts(backbone)
         grow_in_order(backbone, model_cfg["growth"])
         grown = ops.parameter_counts(backbone)
-        return Trained(backbone, notes=[f"grown from {source['total'] / 1e9:.3g}B ({source['active'] / 1e9:.3g}B "
-                                        f"active) to {grown['total'] / 1e9:.3g}B ({grown['active'] / 1e9:.3g}B active)"])
+        return Trained(backbone, notes=[f"grown from {count_text(source['total'])} ({count_text(source['active'])} "
+                                        f"active) to {count_text(grown['total'])} ({count_text(grown['active'])} active)"])
 
     def training_step(self, batch, batch_idx):
         self.tokens_seen += batch["input_ids"].numel()
