@@ -1,12 +1,21 @@
 """Preflight: what a run will need per GPU at its real scale, from its config alone (no weights, no data, no GPU).
 
-``python run.py experiment=<name> debug=preflight`` prints this and stops; ``debug=dryrun`` prints it first. The
-model is built on the meta device from the backbone spec's architecture numbers (``backbone.build_backbone(meta=
-True)``, never the hub checkpoint), turned into what the run trains by the module class's ``preflight_model`` hook
-(LoRA adapters, gates, a grown shape, an 8-bit base; default: ``model.lora`` / ``model.trainable`` as
-``common/lora.apply_lora`` takes them), and counted. Each figure says whether it is *counted* (parameter counts times
-the bytes the precision and strategy store; ``tests/test_preflight.py`` checks weights + gradients + optimizer states
-against the tensors a tiny CPU run really allocates) or a *formula* (activations, KV cache).
+``python run.py experiment=<name> debug=preflight`` prints it, writes ``preflight.json`` into the run dir and stops
+(``preflight=print`` prints it, then runs). The model is built on the meta device from the backbone spec's
+architecture numbers (``backbone.build_backbone(meta=True)``, never the hub checkpoint) and turned into what the run
+trains by the module class's classmethod ``preflight_model(model_cfg, backbone) -> Trained`` where it has one (gates,
+a grown shape, an 8-bit base, HiCI's modules, π_ref or a reference copy), else by ``default_trained``: ``model.lora``
+and ``model.trainable`` as ``common/lora.apply_lora`` takes them. No module, datamodule or trainer is instantiated.
+Each figure says whether it is *counted* (parameter counts times the bytes the precision and strategy store) or a
+*formula*, and whether ``tests/test_preflight.py`` checks it against what a tiny CPU run really allocates.
+
+Shapes are read from the config, each printed with the keys it came from: training micro-batch ``data.batch_size``
+x ``data.seq_len`` (or ``data.n_tokens``, ``model.max_length``), RL ``model.micro_batch_size`` x
+(``data.max_prompt_tokens`` + ``model.max_new_tokens``); an evaluation forward at an explicit evaluation batch
+(``model.eval_batch_size``, ``data.eval_batch_size``, ``model.batch_size``) and length; generation from every
+``*_new_tokens`` key with its rows (a node's ``batch_size``, else the data's; prompts x ``group_size`` for rollouts)
+and context (a node's ``max_context_tokens`` / ``<prefix>_max_length``, ``data.max_prompt_tokens``, ``max_length``,
+``data.seq_len``, ``max(data.lengths)``). They are the configured maxima: padded rows are usually shorter.
 
 Per GPU (``W`` = trainer.devices x trainer.num_nodes data-parallel ranks; ``N_t`` trainable, ``N_f`` frozen):
 
