@@ -115,11 +115,13 @@ class GrowthModule(CausalLMModule):
         """The meta source grown as ``grow`` grows it (``common/preflight.py``): the grown model trains in full."""
         from lightning_modules.common.preflight import Trained, count_text
 
-        source = ops.parameter_counts(backbone)
+        def size() -> str:
+            counts = ops.parameter_counts(backbone)
+            return f"{count_text(counts['total'])} ({count_text(counts['active'])} active)"
+
+        source = size()
         grow_in_order(backbone, model_cfg["growth"])
-        grown = ops.parameter_counts(backbone)
-        return Trained(backbone, notes=[f"grown from {count_text(source['total'])} ({count_text(source['active'])} "
-                                        f"active) to {count_text(grown['total'])} ({count_text(grown['active'])} active)"])
+        return Trained(backbone, notes=[f"grown from {source} to {size()}"])
 
     def training_step(self, batch, batch_idx):
         self.tokens_seen += batch["input_ids"].numel()

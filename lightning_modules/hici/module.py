@@ -216,7 +216,8 @@ class HiCILongContextLM(CausalLMModule):
         lora = _merge(LORA_DEFAULTS, model_cfg.get("lora"), "lora")
         if lora["enabled"]:
             trainable = [*model_cfg.get("trainable", ("embed", "norm")), *HICI_KEYS]
-            backbone = apply_lora(backbone, lora["r"], lora["alpha"], lora["dropout"], lora["targets"], trainable=trainable)
+            backbone = apply_lora(backbone, lora["r"], lora["alpha"], lora["dropout"], lora["targets"],
+                                  trainable=trainable)
             notes.append(f"LoRA r={lora['r']} on {', '.join(lora['targets'])}; "
                          f"{', '.join(model_cfg.get('trainable', ('embed', 'norm')))} in full")
         return Trained(backbone, notes=notes)

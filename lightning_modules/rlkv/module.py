@@ -52,8 +52,8 @@ class GatedModelMixin:
         """The frozen backbone beside its gates (``common/preflight.py``): only the (L, H_kv) gates train."""
         from lightning_modules.common.preflight import Trained
 
-        window = {k: model_cfg[c] for k, c in (("sink", "sink"), ("recent", "recent"), ("window", "window"),
-                                                 ("block", "block"), ("init", "gate_init")) if c in model_cfg}
+        keys = {"sink": "sink", "recent": "recent", "window": "window", "block": "block", "init": "gate_init"}
+        window = {k: model_cfg[c] for k, c in keys.items() if c in model_cfg}  # as __init__ builds self.window
         backbone.requires_grad_(False)
         gates = MixedAttention.for_model(backbone, **window)
         return Trained(torch.nn.ModuleDict({"model": backbone, "gates": gates}),
