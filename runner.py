@@ -351,6 +351,17 @@ def _needs_no_logger(callbacks: list, loggers: list) -> list:
 
 
 def _run(cfg: DictConfig, state: _State):
+    if cfg.get("preflight") not in (None, False, "print", "only"):
+        raise ConfigError(f"preflight={cfg.preflight!r}: choose print (then run), only (debug=preflight) or null")
+    if cfg.get("preflight"):  # before check_config: it runs on the machine without the GPU it sizes
+        import os
+
+        from lightning_modules.common.preflight import preflight
+
+        if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":  # once per run
+            preflight(cfg)
+        if cfg.preflight == "only":
+            return None
     check_config(cfg)
     import lightning as L
     from hydra.utils import instantiate

@@ -53,6 +53,16 @@ class ErrorLawModule(CausalLMModule):
         n_predictions: predictions kept in ``results`` for inspection.
     """
 
+    @classmethod
+    def preflight_model(cls, model_cfg: Mapping[str, Any], backbone):
+        """No local model behind an endpoint (``common/preflight.py``); else the backbone."""
+        from lightning_modules.common.preflight import Trained, default_trained
+
+        if model_cfg.get("backend") == "endpoint":
+            return Trained(None, notes=[f"backend=endpoint: the model is {model_cfg['endpoint'].get('model')} behind "
+                                        f"{model_cfg['endpoint'].get('url')} (no local weights)"])
+        return default_trained(model_cfg, backbone)
+
     def __init__(self, backbone: Mapping[str, Any] | None = None, optimizer: Callable | None = None,
                  scheduler: Callable | None = None, weight_decay: float = 0.0, backend: str = "local",
                  endpoint: Mapping[str, Any] | None = None, prompt: str = "compact", shape: str = "q_half",

@@ -29,6 +29,22 @@ def chinchilla_flops(active_params: int) -> float:
     return 6.0 * active_params * 20 * active_params
 
 
+def grow_in_order(model, g: Mapping[str, Any]) -> dict:
+    """Apply the enabled operators of ``growth`` config ``g`` to ``model`` in place, in ``g.order``; returns the maps
+    applied (``depth_index``, ``expert_order``)."""
+    maps = {}
+    steps = ("depth", "width") if g.get("order", "depth_first") == "depth_first" else ("width", "depth")
+    for step in steps:
+        cfg = {k: v for k, v in g.get(step, {}).items() if k != "enabled"}
+        if not g.get(step, {}).get("enabled"):
+            continue
+        if step == "depth":
+            maps["depth_index"] = ops.grow_depth(model, **cfg)
+        else:
+            maps["expert_order"] = ops.grow_width(model, seed=g.get("seed", 0), **cfg)
+    return maps
+
+
 class GrowthModule(CausalLMModule):
     """Args (beyond ``CausalLMModule``'s):
         growth: ``source`` (a checkpoint dir, hub id or ``tiny-moe``), ``order``, ``depth`` (``enabled``, ``method``,
@@ -90,17 +106,22 @@ class GrowthModule(CausalLMModule):
         model = build_backbone({**self.backbone_spec, "pretrained": g["source"]})
         self.source_counts = ops.parameter_counts(model)
         self.results = {"norm_profile_source": ops.layer_norm_profile(model)}
-        steps = ("depth", "width") if g.get("order", "depth_first") == "depth_first" else ("width", "depth")
-        for step in steps:
-            cfg = {k: v for k, v in g.get(step, {}).items() if k != "enabled"}
-            if not g.get(step, {}).get("enabled"):
-                continue
-            if step == "depth":
-                self.results["depth_index"] = ops.grow_depth(model, **cfg)
-            else:
-                self.results["expert_order"] = ops.grow_width(model, seed=g.get("seed", 0), **cfg)
+        self.results.update(grow_in_order(model, g))
         self.results["norm_profile_grown"] = ops.layer_norm_profile(model)
         return model
+
+    @classmethod
+    def preflight_model(cls, model_cfg: Mapping[str, Any], backbone):
+        """The meta source grown as ``grow`` grows it (``common/preflight.py``): the grown model trains in full."""
+        from lightning_modules.common.preflight import Trained, count_text
+
+        def size() -> str:
+            counts = ops.parameter_counts(backbone)
+            return f"{count_text(counts['total'])} ({count_text(counts['active'])} active)"
+
+        source = size()
+        grow_in_order(backbone, model_cfg["growth"])
+        return Trained(backbone, notes=[f"grown from {source} to {size()}"])
 
     def training_step(self, batch, batch_idx):
         self.tokens_seen += batch["input_ids"].numel()

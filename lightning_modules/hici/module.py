@@ -203,6 +203,25 @@ class HiCILongContextLM(CausalLMModule):
             load_weights(model, self.init_from)
         return model
 
+    @classmethod
+    def preflight_model(cls, model_cfg: Mapping[str, Any], backbone):
+        """The parameters ``build_model`` adds to the meta backbone (``common/preflight.py``): HiCI's modules, LoRA,
+        and what trains in full (the modules, ``trainable``)."""
+        from lightning_modules.common.preflight import Trained
+
+        notes = []
+        if model_cfg.get("attention", "hici") == "hici":
+            attach_hici(backbone, _merge(HICI_DEFAULTS, model_cfg.get("hici"), "hici"))
+            notes.append("HiCI modules trained in full (their own activations are not counted)")
+        lora = _merge(LORA_DEFAULTS, model_cfg.get("lora"), "lora")
+        if lora["enabled"]:
+            trainable = [*model_cfg.get("trainable", ("embed", "norm")), *HICI_KEYS]
+            backbone = apply_lora(backbone, lora["r"], lora["alpha"], lora["dropout"], lora["targets"],
+                                  trainable=trainable)
+            notes.append(f"LoRA r={lora['r']} on {', '.join(lora['targets'])}; "
+                         f"{', '.join(model_cfg.get('trainable', ('embed', 'norm')))} in full")
+        return Trained(backbone, notes=notes)
+
     def plain_model(self):
         """The transformers model under the peft wrapper (or the model itself without LoRA)."""
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model

@@ -47,6 +47,18 @@ class GatedModelMixin:
         self.mixed.install(model)
         return model
 
+    @classmethod
+    def preflight_model(cls, model_cfg: Mapping[str, Any], backbone):
+        """The frozen backbone beside its gates (``common/preflight.py``): only the (L, H_kv) gates train."""
+        from lightning_modules.common.preflight import Trained
+
+        keys = {"sink": "sink", "recent": "recent", "window": "window", "block": "block", "init": "gate_init"}
+        window = {k: model_cfg[c] for k, c in keys.items() if c in model_cfg}  # as __init__ builds self.window
+        backbone.requires_grad_(False)
+        gates = MixedAttention.for_model(backbone, **window)
+        return Trained(torch.nn.ModuleDict({"model": backbone, "gates": gates}),
+                       notes=["frozen backbone; only the per-(layer, KV head) gates train"])
+
     def gate_results(self) -> dict:
         g = self.mixed.gates.detach().float().cpu()
         return {"gates": g.tolist(), "gate_mean": float(g.mean()), "gate_min": float(g.min())}

@@ -123,6 +123,21 @@ class SPARDModule(TestIsValidation, CausalLMModule):
             model = apply_lora(model, **self.lora)
         return model
 
+    @classmethod
+    def preflight_model(cls, model_cfg: Mapping[str, Any], backbone):
+        """``build_model`` on the meta backbone (``common/preflight.py``): an 8-bit base (int8 linear weights, the rest
+        fp32, gradient checkpointing on: peft's ``prepare_model_for_kbit_training``) or the plain one, with LoRA; each
+        data batch is trained in ``grad_accum`` micro-batches."""
+        from lightning_modules.common.preflight import default_trained, int8_base
+
+        int8 = model_cfg.get("quantize_base") == "int8"
+        trained = default_trained(model_cfg, int8_base(backbone) if int8 else backbone)
+        trained.micro_batches = int(model_cfg.get("grad_accum", 4))  # training_step's utility micro-batches
+        if int8:
+            trained.checkpointing = True
+            trained.notes.append("8-bit base (bitsandbytes LLM.int8 via prepare_model_for_kbit_training)")
+        return trained
+
     def get_tokenizer(self):
         if self.tokenizer is None:
             dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None

@@ -90,6 +90,18 @@ class QuantizeLMModule(CausalLMModule):
         """The method a subclass runs when the config names none (each paper overrides this with its own)."""
         return GPTQ()
 
+    @classmethod
+    def preflight_model(cls, model_cfg: Mapping[str, Any], backbone):
+        """The model quantized in place, and its full-precision reference copy when ``kl`` or ``mode: sequential``
+        keeps one (``common/preflight.py``)."""
+        from lightning_modules.common.preflight import default_trained
+
+        trained = default_trained(model_cfg, backbone)
+        if model_cfg.get("kl", True) or model_cfg.get("mode") == "sequential":
+            trained.copies = 1
+            trained.notes.append("a full-precision reference copy is held beside the quantized model")
+        return trained
+
     @property
     def reference(self):
         return self._reference[0] if self._reference else None

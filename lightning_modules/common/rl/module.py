@@ -122,6 +122,17 @@ class RLModule(TestIsValidation, CausalLMModule):
             return build_backbone({**self.backbone_spec, "pretrained": str(warmup_dir(self.backbone_spec, warmup))})
         return super().build_model()
 
+    @classmethod
+    def preflight_model(cls, model_cfg: Mapping[str, Any], backbone):
+        """The policy trains in full; ``beta`` > 0 holds π_ref, a frozen copy of it (``common/preflight.py``)."""
+        from lightning_modules.common.preflight import default_trained
+
+        trained = default_trained(model_cfg, backbone)
+        if model_cfg.get("beta"):
+            trained.copies = 1
+            trained.notes.append(f"beta={model_cfg['beta']}: π_ref is a frozen copy of the policy")
+        return trained
+
     def held_out_fractions(self) -> dict[str, float]:
         """The data's val/test shares of the problem space, which the warm-up must not train on."""
         dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
