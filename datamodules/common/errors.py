@@ -52,10 +52,21 @@ def user_error(err: BaseException | None) -> UserError | None:
         seen.add(id(err))
         if isinstance(err, UserError):
             return err
-        if isinstance(err, ModuleNotFoundError) and (extra := missing_extra(err)) is not None:
+        if isinstance(err, ModuleNotFoundError) and not _installed(err.name) and (extra := missing_extra(err)):
             return extra
         err = err.__cause__  # an explicit ``raise ... from``; an error raised while handling another is a bug of its own
     return None
+
+
+def _installed(name: str | None) -> bool:
+    """The top-level package is there (a submodule it lacks is a version mismatch or a bug, not a missing install)."""
+    import importlib.util
+
+    top = (name or "").split(".")[0]
+    try:
+        return bool(top) and importlib.util.find_spec(top) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def full_error_asked() -> bool:
