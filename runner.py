@@ -16,7 +16,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from datamodules.common.errors import ConfigError, full_error_asked, one_line, user_error  # noqa: F401 (ConfigError: imported from here too)
+# ConfigError is imported from here too (tests, older code)
+from datamodules.common.errors import ConfigError, full_error_asked, one_line, user_error  # noqa: F401
 
 TASKS = ("fit", "test", "fit_test", "validate")
 MODES = ("min", "max")

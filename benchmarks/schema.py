@@ -229,7 +229,9 @@ def missing_extra(err: ModuleNotFoundError) -> str:
 
     found = extra_error(err)
     mod = (err.name or "").split(".")[0]
-    return str(found) if found is not None else f"missing module {mod!r}: it is in no extra of pyproject.toml; pip install it"
+    if found is None:
+        return f"missing module {mod!r}: it is in no extra of pyproject.toml; pip install it"
+    return str(found)
 
 
 def run_benchmark(paper: str, main: Callable[[list[str]], Any], claims: Callable[[Any, list[str]], tuple],

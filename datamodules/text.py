@@ -97,7 +97,8 @@ class TextDataModule(L.LightningDataModule):
             from datamodules.common.loaders import local_documents
 
             return local_documents(self.files, self.text_field)
-        raise ConfigError(f"data.source={self.source!r} is unknown — use 'embedded' or 'files' (with data.files=<path or glob>)")
+        raise ConfigError(f"data.source={self.source!r} is unknown — use 'embedded' or 'files' "
+                          "(with data.files=<path or glob>)")
 
     def split_documents(self) -> dict[str, list[str]]:
         """Train / val / test documents: hashed out of the main source, except a split given by its own files."""

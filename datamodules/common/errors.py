@@ -54,7 +54,7 @@ def user_error(err: BaseException | None) -> UserError | None:
             return err
         if isinstance(err, ModuleNotFoundError) and not _installed(err.name) and (extra := missing_extra(err)):
             return extra
-        err = err.__cause__  # an explicit ``raise ... from``; an error raised while handling another is a bug of its own
+        err = err.__cause__  # an explicit ``raise ... from``; one raised while handling another is a bug of its own
     return None
 
 
@@ -94,7 +94,8 @@ def missing_extra(err: ModuleNotFoundError) -> MissingExtraError | None:
         if module and any(_requirement_name(r) == module for r in reqs):
             target = f"'.[{extra}]'" if extra else "."
             what = f"the {extra!r} extra" if extra else "a base dependency (a broken install?)"
-            return MissingExtraError(f"missing module {module!r}, from {what} — pip install -c constraints.txt -e {target}")
+            return MissingExtraError(f"missing module {module!r}, from {what} — "
+                                     f"pip install -c constraints.txt -e {target}")
     return None
 
 
@@ -123,8 +124,8 @@ def check_hub_cache(value: str, key: str = "backbone.pretrained", revision: str 
 
     if not isinstance(try_to_load_from_cache(value, "config.json", revision=revision), str):
         raise PretrainedNotFoundError(
-            f"{key}={value!r} is a hub id, HF_HUB_OFFLINE=1 is set and it is not in the hub cache — download it where "
-            f"the hub is reachable (hf download {value} --local-dir <dir>) and pass {key}=<local dir>, "
+            f"{key}={value!r} is a hub id, HF_HUB_OFFLINE=1 is set and it is not in the hub cache — download it "
+            f"where the hub is reachable (hf download {value} --local-dir <dir>) and pass {key}=<local dir>, "
             "or unset HF_HUB_OFFLINE where the hub is reachable")
 
 

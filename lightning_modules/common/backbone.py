@@ -50,8 +50,8 @@ def check_revision(spec: Mapping[str, Any]) -> None:
         return
     if not pretrained or is_tiny_model(pretrained) or str(pretrained).startswith(("/", "./", "../", "~")):
         raise ConfigError(f"backbone.revision={revision!r} needs a hub id in backbone.pretrained (got {pretrained!r}): "
-                          "a local dir or tiny model has no revisions; point backbone.pretrained at that checkpoint's dir "
-                          "and set backbone.revision=null")
+                          "a local dir or tiny model has no revisions — point backbone.pretrained at that "
+                          "checkpoint's dir and set backbone.revision=null")
 
 
 KINDS = ("causal_lm", "image_text_to_text")

@@ -51,7 +51,8 @@ class EndpointClient:
                  cache_dir: str | Path | None = None, max_retries: int = 5, backoff: float = 1.0,
                  timeout: float = 120.0, params: Mapping[str, Any] | None = None):
         if not url:
-            raise ConfigError("endpoint: no url — set local.endpoints.<provider>.url (conf/local/) or model.endpoint.url")
+            raise ConfigError("endpoint: no url — set local.endpoints.<provider>.url (conf/local/) or "
+                              "model.endpoint.url")
         if not model:
             raise ConfigError("endpoint: no model name — set model.endpoint.model (as the provider spells it)")
         self.url = url.rstrip("/") + "/chat/completions"
@@ -81,8 +82,8 @@ class EndpointClient:
             return None
         key = os.environ.get(self.api_key_env)
         if not key:
-            raise ConfigError(f"endpoint: the environment variable {self.api_key_env} is not set — export your API key "
-                              "there (or name another variable in local.endpoints.<name>.api_key_env)")
+            raise ConfigError(f"endpoint: the environment variable {self.api_key_env} is not set — export your API "
+                              "key there (or name another variable in local.endpoints.<name>.api_key_env)")
         return key
 
     def _fix(self, status: int | None) -> str:
@@ -127,7 +128,8 @@ class EndpointClient:
             except urllib.error.HTTPError as err:
                 detail = one_line(err.read().decode(errors="replace"))[:300]
                 if err.code not in RETRY_STATUS or attempt == self.max_retries:
-                    raise EndpointError(f"{self.url} answered HTTP {err.code}: {detail} — {self._fix(err.code)}") from err
+                    raise EndpointError(f"{self.url} answered HTTP {err.code}: {detail} — "
+                                        f"{self._fix(err.code)}") from err
             except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
                 if attempt == self.max_retries:
                     raise EndpointError(f"{self.url} unreachable after {attempt + 1} attempts ({err}) — "

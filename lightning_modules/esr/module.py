@@ -71,7 +71,8 @@ class ESRModule(CausalLMModule):
         if self.sae_cfg["format"] not in ("train", *FORMATS):
             raise ValueError(f"model.sae.format={self.sae_cfg['format']!r}: choose train or one of {', '.join(FORMATS)}")
         if self.sae_cfg["format"] != "train" and not self.sae_cfg["path"]:
-            raise ConfigError(f"model.sae.format={self.sae_cfg['format']} needs model.sae.path — set it to the release file")
+            raise ConfigError(f"model.sae.format={self.sae_cfg['format']} needs model.sae.path — set it to the "
+                              "release file")
         if not float(self.thr["lo"]) < float(self.thr["hi"]):
             raise ValueError(f"model.threshold.lo={self.thr['lo']} must be below model.threshold.hi={self.thr['hi']}")
         if self.meta_prompt not in META:
@@ -112,9 +113,10 @@ class ESRModule(CausalLMModule):
             from datamodules.common.errors import hub_loading
             from lightning_modules.common.backbone import _dtype, resolve_pretrained
 
+            location = resolve_pretrained(spec["pretrained"])
             with hub_loading(spec["pretrained"]):
-                model = AutoModelForCausalLM.from_pretrained(resolve_pretrained(spec["pretrained"]),
-                                                             dtype=_dtype(spec.get("dtype")), device_map=self.device_map)
+                model = AutoModelForCausalLM.from_pretrained(location, dtype=_dtype(spec.get("dtype")),
+                                                             device_map=self.device_map)
         else:
             model = build_backbone(spec)
         n = len(decoder_layers(model))

@@ -49,7 +49,8 @@ class RewardModel:
         from datamodules.common.errors import MissingPathError
 
         if not Path(self.path).expanduser().is_dir():
-            raise MissingPathError(f"model.reward.path={self.path} is not a directory — point it at a local reward model")
+            raise MissingPathError(f"model.reward.path={self.path} is not a directory — point it at a local reward "
+                                   "model")
 
     def load(self, device) -> None:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
