@@ -129,22 +129,37 @@ def check_hub_cache(value: str, key: str = "backbone.pretrained", revision: str 
             "or unset HF_HUB_OFFLINE where the hub is reachable")
 
 
+# Files without which a local dir holds no loadable <what> (transformers then raises a ValueError, not an OSError).
+LOADABLE = {"tokenizer": ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"),
+            "processor": ("processor_config.json", "preprocessor_config.json", "tokenizer_config.json")}
+
+
 @contextmanager
 def hub_loading(value, key: str = "backbone.pretrained", what: str = "model", note: str = ""):
-    """Around a ``from_pretrained(value)`` that ``key`` configures: transformers' ``OSError`` (no network,
-    ``HF_HUB_OFFLINE=1`` without the files cached, a missing or gated repo, a dir without the files) becomes one line
-    naming ``key=<local dir>`` and ``HF_HUB_OFFLINE``; ``note`` is added to the fix (e.g. which key a value follows)."""
+    """Around a ``from_pretrained`` of ``value`` (a hub id, a local dir or a tiny model name, configured by ``key``):
+    transformers' ``OSError`` (no network, ``HF_HUB_OFFLINE=1`` without the files cached, a missing or gated repo)
+    becomes one line naming ``key=<local dir>`` and ``HF_HUB_OFFLINE``, and a local dir without the files for
+    ``what`` one line saying so; ``note`` is added to the fix (e.g. which key a value follows)."""
     try:
         yield
     except UserError:
         raise
-    except OSError as err:
+    except (OSError, ValueError) as err:
+        from datamodules.common.tiny_models import is_tiny_model, model_dir
+
+        local = Path(model_dir(value)) if is_tiny_model(value) else Path(os.path.expanduser(str(value)))
+        if isinstance(err, ValueError) and not (local.is_dir() and not _holds(local, what)):
+            raise  # a ValueError from a dir that has the files: not a missing checkpoint
         cause = one_line(err)
         cause = f"{type(err).__name__}: {cause[:160]}{'…' if len(cause) > 160 else ''}"
-        if isinstance(value, str) and Path(os.path.expanduser(value)).is_dir():
+        if local.is_dir():
             raise PretrainedNotFoundError(
                 f"{key}={value!r} holds no loadable {what} ({cause}) — point {key} at a dir with the {what}'s files "
                 f"(save_pretrained's output){note}") from err
         raise PretrainedNotFoundError(
             f"could not load the {what} of {key}={value!r} ({cause}) — no hub here? download it where the hub is "
             f"reachable and pass {key}=<local dir>{note}; {OFFLINE_NOTE}") from err
+
+
+def _holds(directory: Path, what: str) -> bool:
+    return any((directory / name).exists() for name in LOADABLE.get(what, ("config.json",)))
