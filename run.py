@@ -18,7 +18,8 @@ os.environ.setdefault("PAPERLAB_ROOT", str(ROOT))
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from runner import ConfigError, register_resolvers, run  # noqa: E402  (no heavy imports)
+from datamodules.common.errors import full_error_asked, one_line, user_error  # noqa: E402  (no heavy imports)
+from runner import register_resolvers, run  # noqa: E402
 
 register_resolvers()
 
@@ -38,15 +39,18 @@ def check_renamed(argv: list[str]) -> None:
     for arg in argv:
         key = arg.lstrip("+~").split("=", 1)[0]
         if key in RENAMED:
-            sys.exit(f"{key} is gone: use {RENAMED[key]}")
+            sys.exit(f"error: {key} is gone — use {RENAMED[key]}")
 
 
 @hydra.main(config_path="conf", config_name="run", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
     try:
         return run(cfg)
-    except ConfigError as err:  # a config that cannot work: its one line, not a traceback
-        print(f"config error: {err}", file=sys.stderr)
+    except Exception as err:
+        # an error the user can fix (datamodules.common.errors): one line naming the fix, not a traceback
+        if (user := user_error(err)) is None or full_error_asked():
+            raise
+        print(f"error: {one_line(user)}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

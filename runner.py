@@ -9,19 +9,19 @@ import inspect
 import json
 import logging
 import math
+import sys
 import time
 import traceback
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+# ConfigError is imported from here too (tests, older code)
+from datamodules.common.errors import ConfigError, full_error_asked, one_line, user_error  # noqa: F401
+
 TASKS = ("fit", "test", "fit_test", "validate")
 MODES = ("min", "max")
 log = logging.getLogger(__name__)
-
-
-class ConfigError(ValueError):
-    """A config that cannot work, found before any expensive work; the message names the fix."""
 
 
 def register_resolvers() -> None:
@@ -88,37 +88,42 @@ def _strategy_target(cfg: DictConfig) -> str:
 def check_config(cfg: DictConfig) -> None:
     """Impossible combinations and missing inputs, each as one line, before anything is built."""
     if cfg.get("task") not in TASKS:
-        raise ConfigError(f"task={cfg.get('task')!r}: choose one of {', '.join(TASKS)}")
+        raise ConfigError(f"task={cfg.get('task')!r} is not a task — choose one of {', '.join(TASKS)}")
     if cfg.get("optimized_mode") not in MODES:
-        raise ConfigError(f"optimized_mode={cfg.get('optimized_mode')!r}: choose min (lower is better) or max")
+        raise ConfigError(f"optimized_mode={cfg.get('optimized_mode')!r} is not a mode — choose min (lower is better) or max")
     seed = cfg.get("seed")
     if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ConfigError(f"seed={seed!r} is not an integer: pass one, e.g. seed=1")
+        raise ConfigError(f"seed={seed!r} is not an integer — pass one, e.g. seed=1")
     _check_in_memory_tokens(cfg)
     tr = cfg.trainer
     if str(tr.get("accelerator")) in ("gpu", "cuda"):
         import torch
 
         if not torch.cuda.is_available():
-            raise ConfigError("trainer.accelerator=gpu but this machine has no CUDA GPU: use trainer=cpu")
+            raise ConfigError("trainer.accelerator=gpu but this machine has no CUDA GPU — use trainer=cpu")
     target = _strategy_target(cfg)
     world = _world_size(tr)
     if "ModelParallelStrategy" in target and world == 1:
-        raise ConfigError("trainer=fsdp with trainer.devices=1 shards nothing: use trainer=cpu/gpu, or set trainer.devices>=2")
+        raise ConfigError("trainer=fsdp with trainer.devices=1 shards nothing — use trainer=cpu/gpu, or set trainer.devices>=2")
     strategy = tr.get("strategy")
     if "ModelParallelStrategy" in target and isinstance(strategy, DictConfig) and (strategy.get("tensor_parallel_size") or 1) > 1:
         raise ConfigError("trainer=fsdp with tensor_parallel_size>1: paperlab modules shard with FSDP2 over data "
-                          "parallelism only; set trainer.strategy.tensor_parallel_size=1")
+                          "parallelism only — set trainer.strategy.tensor_parallel_size=1")
     if "deepspeed" in target.lower() and tr.get("accelerator") == "cpu" and not cfg.get("allow_deepspeed_cpu", False):
-        raise ConfigError("DeepSpeed needs GPUs (trainer.accelerator=gpu); on CPU use trainer=ddp or trainer=fsdp")
-    pretrained = cfg.get("backbone", {}).get("pretrained")
-    if pretrained:
-        from datamodules.common.tiny_models import resolve_pretrained
+        raise ConfigError("DeepSpeed needs GPUs (trainer.accelerator=gpu) — on CPU use trainer=ddp or trainer=fsdp")
+    # one clear line for a missing local path, a tiny model not built yet, or a hub id that HF_HUB_OFFLINE=1 cannot
+    # read from the hub cache (an unreachable hub is only known by asking: the loaders report it)
+    checked = set()
+    for key in ("backbone.pretrained", "data.tokenizer.pretrained"):
+        if isinstance(pretrained := OmegaConf.select(cfg, key, default=None), str) and pretrained not in checked:
+            from datamodules.common.tiny_models import resolve_pretrained
 
-        resolve_pretrained(pretrained)  # one clear line for a missing local path or a tiny model not built yet
+            checked.add(pretrained)
+            revision = OmegaConf.select(cfg, "backbone.revision", default=None) if key.startswith("backbone") else None
+            resolve_pretrained(pretrained, key, revision)
     ckpt = cfg.get("ckpt_path")
     if ckpt and ckpt not in ("last", "best") and not Path(ckpt).exists():
-        raise ConfigError(f"ckpt_path={ckpt!r} does not exist: pass an existing .ckpt, or ckpt_path=last to resume this run dir")
+        raise ConfigError(f"ckpt_path={ckpt!r} does not exist — pass an existing .ckpt, or ckpt_path=last to resume this run dir")
     _check_numbers(cfg, "")
 
 
@@ -143,7 +148,13 @@ def _check_in_memory_tokens(cfg: DictConfig) -> None:
     try:
         limit = float(limit)
     except ValueError:
-        raise ConfigError(f"max_in_memory_tokens={limit!r}: a number of tokens (e.g. 1e9), or null for no limit") from None
+        raise ConfigError(f"max_in_memory_tokens={limit!r} is not a number — pass a number of tokens (e.g. 1e9), "
+                          "or null for no limit") from None
+    # an unknown world size (devices=auto) counts as one rank: a lower bound
+    batch = batch_size * max(_world_size(tr), 1) * accumulate
+    tokens = steps * batch * seq_len
+    if tokens <= limit:
+        return  # (before importing the data modules: a config check stays cheap)
     from hydra.utils import get_object
 
     from datamodules.shards import ShardDataModule
@@ -155,15 +166,11 @@ def _check_in_memory_tokens(cfg: DictConfig) -> None:
         return
     if not (isinstance(cls, type) and issubclass(cls, TextDataModule)) or issubclass(cls, ShardDataModule):
         return
-    # an unknown world size (devices=auto) counts as one rank: a lower bound
-    batch = batch_size * max(_world_size(tr), 1) * accumulate
-    tokens = steps * batch * seq_len
-    if tokens > limit:
-        raise ConfigError(
-            f"{data._target_.rsplit('.', 1)[-1]} holds all documents in memory on every rank, but this run trains on "
-            f"{tokens:.3g} tokens (max_steps {steps} x global batch {batch} x seq_len {seq_len}) > "
-            f"max_in_memory_tokens={limit:.3g}: use data=shards (build once: python -m datamodules.common.shards "
-            f"--files '<glob>' --tokenizer <dir> --out <dir>; data.shard_dir=<dir>) or raise max_in_memory_tokens")
+    raise ConfigError(
+        f"{data._target_.rsplit('.', 1)[-1]} holds all documents in memory on every rank, but this run trains on "
+        f"{tokens:.3g} tokens (max_steps {steps} x global batch {batch} x seq_len {seq_len}) > "
+        f"max_in_memory_tokens={limit:.3g} — use data=shards (build once: python -m datamodules.common.shards "
+        f"--files '<glob>' --tokenizer <dir> --out <dir>; data.shard_dir=<dir>) or raise max_in_memory_tokens")
 
 
 def _numeric_params(target: str) -> dict:
@@ -202,7 +209,7 @@ def _check_numbers(node, where: str) -> None:
             except ValueError:
                 example = numeric[key] if type(numeric[key]) in (int, float) else 1
                 raise ConfigError(f"{path}={value!r} is not a number ({target._value()} takes a number for "
-                                  f"{key}): pass one, e.g. {path}={example}") from None
+                                  f"{key}) — pass one, e.g. {path}={example}") from None
         _check_numbers(node._get_node(key), path)
 
 
@@ -300,7 +307,10 @@ class _State:
 
 
 def run(cfg: DictConfig):
-    """Run one job; in a multirun a failed job is recorded (metrics.json, summary) and the others go on."""
+    """Run one job; in a multirun a failed job is recorded (metrics.json, summary) and the others go on.
+
+    A failed job's ``metrics.json`` status is ``failed: <what> — <the fix>`` for an error the user can fix (the line
+    ``run.py`` prints after ``error:``), ``failed: <type>: <message>`` for a bug."""
     state = _State(cfg)
     try:
         return _run(cfg, state)
@@ -309,13 +319,18 @@ def run(cfg: DictConfig):
             # an interruption, not a failure of the job: Ctrl+C, SIGTERM (Lightning exits on it) or submitit's
             # preemption handler (checkpoint, requeue, exit). The process must end, and a requeued job resumes.
             raise
+        user = user_error(err)  # one line naming the fix (run.py prints it), or None for a bug
         try:
             state.collect()
-            state.write(Path(cfg.paths.output_dir) / "metrics.json", f"failed: {type(err).__name__}: {err}")
+            reason = one_line(user) if user is not None else f"{type(err).__name__}: {err}"
+            state.write(Path(cfg.paths.output_dir) / "metrics.json", f"failed: {reason}")
         except Exception:
             pass
         if _is_multirun():
-            traceback.print_exc()
+            if user is not None and not full_error_asked():
+                print(f"error: {one_line(user)}", file=sys.stderr)
+            else:
+                traceback.print_exc()
             return float("nan")
         raise
     finally:

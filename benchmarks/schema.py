@@ -226,15 +226,13 @@ def log_wandb(docs: Sequence[dict], figures_dir: Path, name: str | None = None) 
 # --- the benchmark entry point -------------------------------------------------------------------------------
 def missing_extra(err: ModuleNotFoundError) -> str:
     """One line naming the extra (pyproject's optional-dependencies) that provides the missing module."""
-    import tomllib
+    from datamodules.common.errors import missing_extra as extra_error
 
+    found = extra_error(err)
     mod = (err.name or "").split(".")[0]
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text()).get("project", {}).get("optional-dependencies", {})
-    norm = lambda s: re.split(r"[<>=!~\[; ]", s, maxsplit=1)[0].strip().lower().replace("-", "_")
-    for extra, reqs in extras.items():
-        if any(norm(r) == mod.lower() for r in reqs):
-            return f"missing module {mod!r}: install the {extra!r} extra: pip install -e '.[{extra}]'"
-    return f"missing module {mod!r}: it is in no extra of pyproject.toml; pip install it"
+    if found is None:
+        return f"missing module {mod!r}: it is in no extra of pyproject.toml; pip install it"
+    return str(found)
 
 
 def run_benchmark(paper: str, main: Callable[[list[str]], Any], claims: Callable[[Any, list[str]], tuple],

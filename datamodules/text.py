@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from datamodules.common.cache import cache_root, stable_hash
+from datamodules.common.errors import ConfigError
 from datamodules.common.sampling import StepStreamSampler
 from datamodules.common.splits import SPLITS, check_fractions, split_items
 
@@ -71,6 +72,16 @@ class TextDataModule(L.LightningDataModule):
         self.val_fraction, self.test_fraction, self.max_val_sequences = val_fraction, test_fraction, max_val_sequences
         self.num_workers, self.seed = num_workers, seed
         self.train_set = self.val_set = self.test_set = None
+        self.check_files()
+
+    def check_files(self) -> None:
+        """Files named but not there fail now, as one line, before the model is built or anything is tokenised."""
+        from datamodules.common.loaders import expand_files
+
+        for key, files in (("data.files", self.files if self.source == "files" else None),
+                           ("data.val_files", self.val_files), ("data.test_files", self.test_files)):
+            if files:
+                expand_files(files, key)
 
     # --- documents and tokens --------------------------------------------------------------------
     def documents(self, files=None) -> list[str]:
@@ -86,7 +97,8 @@ class TextDataModule(L.LightningDataModule):
             from datamodules.common.loaders import local_documents
 
             return local_documents(self.files, self.text_field)
-        raise ValueError(f"data.source={self.source!r}: use 'embedded' or 'files' (with data.files=<path or glob>)")
+        raise ConfigError(f"data.source={self.source!r} is unknown — use 'embedded' or 'files' "
+                          "(with data.files=<path or glob>)")
 
     def split_documents(self) -> dict[str, list[str]]:
         """Train / val / test documents: hashed out of the main source, except a split given by its own files."""

@@ -206,6 +206,7 @@ def test_revision_reaches_from_pretrained(monkeypatch):
     from lightning_modules.common.backbone import build_backbone
 
     seen = {}
+    monkeypatch.setattr("datamodules.common.errors._offline", lambda: False)  # a hub (faked below), not HF_HUB_OFFLINE
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
                         lambda location, **kw: seen.update(location=location, **kw) or torch.nn.Linear(1, 1))
     build_backbone({**TINY, "pretrained": "EleutherAI/pythia-2.8b", "revision": "step1000"})

@@ -57,7 +57,8 @@ def test_sweep_experiment_names_the_typed_sweep():
 def test_a_swept_experiment_keeps_one_sweep_dir(tmp_path):
     """Each job resolves hydra.sweep.dir in its own config; the sweep-time value must win, or the jobs of
     ``experiment=a,b`` scatter over multirun/a and multirun/b while summary.json lands in a third dir.
-    Both jobs stop in the config check (FSDP over one device), so this costs two imports, not two trainings."""
+    Both jobs stop in the config check (FSDP over one device), so this costs two imports, not two trainings; their
+    one-line errors are what summary.json records."""
     cmd = [sys.executable, "run.py", "-m", "experiment=lm_tiny,llr_tiny", "trainer=fsdp", "trainer.devices=1",
            f"paths.log_dir={tmp_path}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
@@ -69,6 +70,10 @@ def test_a_swept_experiment_keeps_one_sweep_dir(tmp_path):
     assert summary["failed"] == 2
     assert sorted(Path(j["dir"]).relative_to(sweep).parts[0] for j in summary["jobs"]) == ["llr_tiny", "lm_tiny"]
     assert all("shards nothing" in j["status"] for j in summary["jobs"])
+    # a job's error a user can fix: its one line on stderr (no traceback) is what summary.json records for it
+    lines = [line[len("error: "):] for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert sorted(j["status"] for j in summary["jobs"]) == sorted(f"failed: {line}" for line in lines)
 
 
 def test_summary_is_read_from_the_run_dirs_of_this_sweep(tmp_path):

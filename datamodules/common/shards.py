@@ -30,21 +30,14 @@ from typing import Iterator
 
 import numpy as np
 
-from datamodules.common.loaders import MalformedRecordError, iter_jsonl
+from datamodules.common.loaders import MalformedRecordError, expand_files, iter_jsonl
 from datamodules.common.splits import SPLITS, check_fractions, split_of
 
 INDEX = "index.json"
 VERSION = 2  # 2: three splits (train / val / test)
 
 
-def _expand(files) -> list[Path]:
-    import glob
-
-    patterns = [files] if isinstance(files, (str, Path)) else list(files or [])
-    paths = sorted({Path(p) for pat in patterns for p in glob.glob(str(Path(pat).expanduser()))})
-    if not paths:
-        raise FileNotFoundError(f"no data files match {patterns}: put your corpus there or set data.files=<path or glob>")
-    return paths
+_expand = expand_files  # the corpus files: sorted, deduplicated; none is one line naming data.files
 
 
 def iter_documents(path: Path, field: str = "text", batch_rows: int = 1024) -> Iterator[str]:

@@ -23,6 +23,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from datamodules.common.cache import cache_root, stable_hash
+from datamodules.common.errors import PretrainedNotFoundError, check_hub_cache  # noqa: F401 (imported from here too)
 
 ROOT = Path(__file__).resolve().parents[2]
 LIBRARIES = ("torch", "transformers", "lightning", "tokenizers")
@@ -30,10 +31,6 @@ LIBRARIES = ("torch", "transformers", "lightning", "tokenizers")
 # Set (to 1) by the test suite: a tiny model missing from the cache is built when first resolved, not refused.
 BUILD_ON_DEMAND = "PAPERLAB_BUILD_TINY_MODELS"
 _NEUTRAL = ("experiment", "paths.log_dir", "logger", "launcher", "callbacks.progress_bar", "callbacks.export.dirpath")
-
-
-class PretrainedNotFoundError(FileNotFoundError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -126,24 +123,26 @@ def is_tiny_model(pretrained) -> bool:
     return isinstance(pretrained, str) and pretrained in TINY_MODELS
 
 
-def resolve_pretrained(pretrained: str) -> str:
-    """A loadable location for ``backbone.pretrained``: a built tiny model, a local dir, or a hub id.
+def resolve_pretrained(pretrained: str, key: str = "backbone.pretrained", revision: str | None = None) -> str:
+    """A loadable location for ``pretrained`` (the value of ``key``): a built tiny model, a local dir, or a hub id.
 
-    Raises one clear line when a tiny model is not built yet or a local path is missing."""
+    Raises one clear line when a tiny model is not built yet, a local path is missing, or ``HF_HUB_OFFLINE=1`` is
+    set and a hub id is not in the hub cache."""
     if is_tiny_model(pretrained):
         target = model_dir(pretrained)
         if not (target / "config.json").exists() and os.environ.get(BUILD_ON_DEMAND) == "1":
             build(pretrained)  # the test suite builds a tiny model the first time a test needs it
         if not (target / "config.json").exists():
             raise PretrainedNotFoundError(
-                f"backbone.pretrained={pretrained!r} is not built for this checkout: run "
+                f"{key}={pretrained!r} is not built for this checkout — run "
                 f"`python -m datamodules.common.tiny_models build {pretrained}` once (~90 s)")
         return str(target)
     expanded = os.path.expanduser(pretrained)
     if pretrained.startswith(("/", "./", "../", "~")) and not Path(expanded).exists():
         raise PretrainedNotFoundError(
-            f"backbone.pretrained={pretrained!r} does not exist: put the checkpoint there, or pass "
-            "backbone.pretrained=<dir with config.json and weights> (a hub id works where the hub is reachable)")
+            f"{key}={pretrained!r} does not exist — put the checkpoint there, or pass "
+            f"{key}=<dir with config.json and weights> (a hub id works where the hub is reachable)")
+    check_hub_cache(pretrained, key, revision)
     return expanded
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from datamodules.common.cache import cache_root
+from datamodules.common.errors import ConfigError
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -37,8 +38,8 @@ def corpus_tokenizer(vocab_size: int = 2048, corpus: str = "embedded"):
     from datamodules.common.corpus import corpus_key, embedded_documents
 
     if corpus != "embedded":
-        raise ValueError(f"corpus={corpus!r}: only the 'embedded' corpus has a built-in tokenizer; "
-                         "for your own data set data.tokenizer.pretrained=<dir with a tokenizer>")
+        raise ConfigError(f"data.tokenizer.corpus={corpus!r}: only the 'embedded' corpus has a built-in tokenizer — "
+                          "for your own data set data.tokenizer.pretrained=<dir with a tokenizer>")
     out_dir = cache_root() / "tokenizers" / f"{corpus}-{corpus_key()}-v{vocab_size}"
     if (out_dir / "tokenizer.json").exists():
         return PreTrainedTokenizerFast.from_pretrained(str(out_dir))
@@ -54,9 +55,12 @@ def load_tokenizer(pretrained: str | None = None, vocab_size: int = 2048, corpus
         return corpus_tokenizer(vocab_size, corpus)
     from transformers import AutoTokenizer
 
+    from datamodules.common.errors import hub_loading
     from datamodules.common.tiny_models import resolve_pretrained
 
-    tok = AutoTokenizer.from_pretrained(resolve_pretrained(pretrained))
+    key = "data.tokenizer.pretrained"
+    with hub_loading(pretrained, key, "tokenizer", note=" (it follows backbone.pretrained unless set apart)"):
+        tok = AutoTokenizer.from_pretrained(resolve_pretrained(pretrained, key))
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return tok

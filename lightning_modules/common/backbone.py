@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 # Resolving ``pretrained`` (a cached tiny model, a local dir, a hub id) belongs to the lowest layer, beside the cache.
+from datamodules.common.errors import ConfigError, hub_loading
 from datamodules.common.tiny_models import PretrainedNotFoundError, resolve_pretrained  # noqa: E402,F401
 
 
@@ -48,9 +49,9 @@ def check_revision(spec: Mapping[str, Any]) -> None:
     if revision is None:
         return
     if not pretrained or is_tiny_model(pretrained) or str(pretrained).startswith(("/", "./", "../", "~")):
-        raise ValueError(f"backbone.revision={revision!r} needs a hub id in backbone.pretrained (got {pretrained!r}): "
-                         "a local dir or tiny model has no revisions; point backbone.pretrained at that checkpoint's dir "
-                         "and set backbone.revision=null")
+        raise ConfigError(f"backbone.revision={revision!r} needs a hub id in backbone.pretrained (got {pretrained!r}): "
+                          "a local dir or tiny model has no revisions — point backbone.pretrained at that "
+                          "checkpoint's dir and set backbone.revision=null")
 
 
 KINDS = ("causal_lm", "image_text_to_text")
@@ -62,7 +63,7 @@ def _auto_class(spec: Mapping[str, Any]):
 
     kind = spec.get("kind") or "causal_lm"
     if kind not in KINDS:
-        raise ValueError(f"backbone.kind={kind!r} is unknown: use one of {list(KINDS)}")
+        raise ConfigError(f"backbone.kind={kind!r} is unknown: use one of {list(KINDS)}")
     return transformers.AutoModelForImageTextToText if kind == "image_text_to_text" else transformers.AutoModelForCausalLM
 
 
@@ -83,15 +84,11 @@ def build_backbone(spec: Mapping[str, Any], meta: bool = False):
         with ctx:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype) if dtype else AutoModelForCausalLM.from_config(config)
     else:
-        location = resolve_pretrained(pretrained)
-        try:
-            extra = {"revision": spec["revision"]} if spec.get("revision") else {}
+        location = resolve_pretrained(pretrained, revision=spec.get("revision"))
+        extra = {"revision": spec["revision"]} if spec.get("revision") else {}
+        with hub_loading(pretrained):
             model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, attn_implementation=attn, **extra,
                                                          trust_remote_code=bool(spec.get("trust_remote_code", False)))
-        except OSError as err:
-            raise PretrainedNotFoundError(
-                f"could not load backbone.pretrained={pretrained!r} ({err.__class__.__name__}): no hub here? "
-                "download it elsewhere and pass backbone.pretrained=<local dir>") from err
     if spec.get("gradient_checkpointing"):
         model.gradient_checkpointing_enable()
         model.config.use_cache = False

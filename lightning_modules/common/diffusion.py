@@ -217,8 +217,12 @@ def _checkpoint_files(location: Path) -> list[Path]:
         return sorted({location / f for f in json.loads(index.read_text())["weight_map"].values()})
     files = sorted(location.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no safetensors under {location}: put the checkpoint's *.safetensors (and its "
-                                "model.safetensors.index.json) there")
+        from datamodules.common.errors import PretrainedNotFoundError
+
+        raise PretrainedNotFoundError(
+            f"no safetensors under backbone.pretrained={str(location)!r} — a mapped checkpoint loads from a local dir: "
+            "put its *.safetensors (and model.safetensors.index.json) there, or download it where the hub is "
+            "reachable (hf download <id> --local-dir <dir>) and pass backbone.pretrained=<dir>")
     return files
 
 

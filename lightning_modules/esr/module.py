@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
 
+from datamodules.common.errors import ConfigError, MissingPathError
 from lightning_modules.common.activations import capture, decoder_layers, intervene
 from lightning_modules.common.lm import CausalLMModule, _plain
 from lightning_modules.esr import steer as S
@@ -69,7 +71,8 @@ class ESRModule(CausalLMModule):
         if self.sae_cfg["format"] not in ("train", *FORMATS):
             raise ValueError(f"model.sae.format={self.sae_cfg['format']!r}: choose train or one of {', '.join(FORMATS)}")
         if self.sae_cfg["format"] != "train" and not self.sae_cfg["path"]:
-            raise ValueError(f"model.sae.format={self.sae_cfg['format']} needs model.sae.path (the release file)")
+            raise ConfigError(f"model.sae.format={self.sae_cfg['format']} needs model.sae.path — set it to the "
+                              "release file")
         if not float(self.thr["lo"]) < float(self.thr["hi"]):
             raise ValueError(f"model.threshold.lo={self.thr['lo']} must be below model.threshold.hi={self.thr['hi']}")
         if self.meta_prompt not in META:
@@ -107,10 +110,13 @@ class ESRModule(CausalLMModule):
         if self.device_map:  # one process, the model split over every visible GPU by accelerate (70B in bf16)
             from transformers import AutoModelForCausalLM
 
+            from datamodules.common.errors import hub_loading
             from lightning_modules.common.backbone import _dtype, resolve_pretrained
 
-            model = AutoModelForCausalLM.from_pretrained(resolve_pretrained(spec["pretrained"]),
-                                                         dtype=_dtype(spec.get("dtype")), device_map=self.device_map)
+            location = resolve_pretrained(spec["pretrained"])
+            with hub_loading(spec["pretrained"]):
+                model = AutoModelForCausalLM.from_pretrained(location, dtype=_dtype(spec.get("dtype")),
+                                                             device_map=self.device_map)
         else:
             model = build_backbone(spec)
         n = len(decoder_layers(model))
@@ -151,17 +157,24 @@ class ESRModule(CausalLMModule):
         return loss
 
     def setup(self, stage: str) -> None:
-        """Before any weight is loaded: a judge that cannot work (e.g. an endpoint without url) fails here."""
+        """Before any weight is loaded: a judge that cannot work (e.g. an endpoint without url) or a release SAE that
+        is not there (it loads when fit or test starts) fails here."""
         if hasattr(self.judge, "check"):
             self.judge.check()
+        if self.sae_cfg["format"] != "train" and not Path(self.sae_cfg["path"]).expanduser().exists():
+            raise MissingPathError(f"model.sae.path={self.sae_cfg['path']} does not exist — point it at the "
+                                   f"{self.sae_cfg['format']} SAE release file or dir")
 
     def configure_optimizers(self):
         if self.sft.get("adamw_8bit"):  # the release's 8-bit AdamW (bitsandbytes, CUDA), with the configured kwargs
             try:
                 from bitsandbytes.optim import AdamW8bit
             except ImportError as err:
-                raise ValueError("model.sft.adamw_8bit=true needs bitsandbytes (pip install bitsandbytes, CUDA): or set "
-                                 "model.sft.adamw_8bit=false") from err
+                from datamodules.common.errors import MissingExtraError
+
+                raise MissingExtraError("model.sft.adamw_8bit=true needs bitsandbytes, which is not installed — "
+                                        "pip install -c constraints.txt -e '.[gpu]' (CUDA), or set "
+                                        "model.sft.adamw_8bit=false") from err
             import functools
 
             self.optimizer_factory = functools.partial(AdamW8bit, **getattr(self.optimizer_factory, "keywords", {}))

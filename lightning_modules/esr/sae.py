@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from datamodules.common.errors import MissingPathError
+
 ACTIVATIONS = ("relu", "jumprelu")
 FORMATS = ("saelens", "gemmascope", "goodfire")
 
@@ -150,7 +152,8 @@ def load_saelens(path: str | Path) -> SAE:
     cfg_file, weights = path / "cfg.json", path / "sae_weights.safetensors"
     for f in (cfg_file, weights):
         if not f.exists():
-            raise FileNotFoundError(f"{f} missing: a SAELens SAE directory holds cfg.json and sae_weights.safetensors")
+            raise MissingPathError(f"{f} missing — point model.sae.path at a SAELens SAE directory (cfg.json and "
+                                   "sae_weights.safetensors)")
     cfg = json.loads(cfg_file.read_text())
     arch = cfg.get("architecture", "standard")
     if arch not in ("standard", "jumprelu"):
@@ -185,7 +188,8 @@ def load_gemmascope(path: str | Path) -> SAE:
     if path.is_dir():
         path = path / "params.npz"
     if not path.exists():
-        raise FileNotFoundError(f"{path} missing: a GemmaScope SAE is a params.npz (layer_L/width_16k/canonical)")
+        raise MissingPathError(f"{path} missing — point model.sae.path at a GemmaScope params.npz "
+                               "(layer_L/width_16k/canonical)")
     with np.load(path) as z:
         tensors = {k: torch.from_numpy(z[k]) for k in z.files}
     missing = {"W_enc", "W_dec", "b_enc", "b_dec", "threshold"} - set(tensors)
@@ -198,7 +202,8 @@ def load_gemmascope(path: str | Path) -> SAE:
 def load_goodfire(path: str | Path) -> SAE:
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"{path} missing: a Goodfire SAE is a .pth state dict (encoder_linear, decoder_linear)")
+        raise MissingPathError(f"{path} missing — point model.sae.path at a Goodfire SAE .pth state dict "
+                               "(encoder_linear, decoder_linear)")
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 

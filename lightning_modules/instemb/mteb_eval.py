@@ -50,7 +50,9 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-INSTALL = 'mteb is not installed: pip install -c constraints.txt -e ".[instemb]"'
+from datamodules.common.errors import MissingExtraError
+
+INSTALL = 'mteb is not installed — pip install -c constraints.txt -e ".[instemb]"'
 # the paper's task names -> mteb's (FollowIR's three tasks are mteb's InstructionRetrieval tasks)
 ALIASES = {
     "FollowIR": ["Robust04InstructionRetrieval", "News21InstructionRetrieval", "Core17InstructionRetrieval"],
@@ -286,7 +288,7 @@ def require_mteb():
     try:
         import mteb
     except ImportError as err:
-        raise ImportError(INSTALL) from err
+        raise MissingExtraError(INSTALL) from err
     return mteb
 
 

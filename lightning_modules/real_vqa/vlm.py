@@ -192,27 +192,26 @@ def build_hub_vlm(spec: Mapping[str, Any]) -> HubVLM:
     dir holding the model and its processor). No remote code: the architectures must be transformers' own."""
     from transformers import AutoProcessor
 
-    from lightning_modules.common.backbone import PretrainedNotFoundError, build_backbone, check_revision, resolve_pretrained
+    from datamodules.common.errors import ConfigError, MissingExtraError, hub_loading
+    from lightning_modules.common.backbone import build_backbone, check_revision, resolve_pretrained
 
     if spec.get("kind") != "image_text_to_text":
-        raise ValueError(f"HubVLM wraps a hub VLM; backbone.kind={spec.get('kind')!r}: set backbone.kind="
-                         "image_text_to_text, or model.vision for a TinyVLM on a causal LM")
+        raise ConfigError(f"HubVLM wraps a hub VLM but backbone.kind={spec.get('kind')!r} — set backbone.kind="
+                          "image_text_to_text, or model.vision for a TinyVLM on a causal LM")
     if not spec.get("pretrained"):
-        raise ValueError("a hub VLM needs backbone.pretrained (a hub id or local dir): its processor (image tokens, "
-                         "resizing, chat template) comes with the checkpoint")
+        raise ConfigError("a hub VLM needs backbone.pretrained (a hub id or local dir): its processor (image tokens, "
+                          "resizing, chat template) comes with the checkpoint — set backbone.pretrained")
     check_revision(spec)
     extra = {"revision": spec["revision"]} if spec.get("revision") else {}
+    location = resolve_pretrained(spec["pretrained"], revision=spec.get("revision"))
     try:  # the processor first: a missing checkpoint fails before the weights load
-        processor = AutoProcessor.from_pretrained(resolve_pretrained(spec["pretrained"]), **extra)
+        with hub_loading(spec["pretrained"], what="processor"):
+            processor = AutoProcessor.from_pretrained(location, **extra)
     except ImportError as err:  # Qwen2-VL's processor builds a video processor, which needs torchvision
         if "torchvision" not in str(err).lower():
             raise
-        raise ImportError(
-            f"the processor of backbone.pretrained={spec['pretrained']!r} needs torchvision, which is not installed: "
+        raise MissingExtraError(
+            f"the processor of backbone.pretrained={spec['pretrained']!r} needs torchvision, which is not installed — "
             "pip install torchvision built for your torch (the gpu extra has it; on a CPU-only torch use "
             "--index-url https://download.pytorch.org/whl/cpu: the PyPI wheel needs CUDA torch)") from err
-    except OSError as err:
-        raise PretrainedNotFoundError(
-            f"could not load the processor of backbone.pretrained={spec['pretrained']!r} ({err.__class__.__name__}): "
-            "no hub here? download it elsewhere and pass backbone.pretrained=<local dir>") from err
     return HubVLM(build_backbone(spec), processor)

@@ -111,9 +111,12 @@ class SPARDModule(TestIsValidation, CausalLMModule):
             from peft import prepare_model_for_kbit_training
             from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-            model = AutoModelForCausalLM.from_pretrained(
-                resolve_pretrained(spec["pretrained"]), quantization_config=BitsAndBytesConfig(load_in_8bit=True),
-                dtype=torch.float16, device_map={"": torch.cuda.current_device()})
+            from datamodules.common.errors import hub_loading
+
+            with hub_loading(spec["pretrained"]):
+                model = AutoModelForCausalLM.from_pretrained(
+                    resolve_pretrained(spec["pretrained"]), quantization_config=BitsAndBytesConfig(load_in_8bit=True),
+                    dtype=torch.float16, device_map={"": torch.cuda.current_device()})
             model = prepare_model_for_kbit_training(model)
         else:
             model = build_backbone(spec)
@@ -153,7 +156,7 @@ class SPARDModule(TestIsValidation, CausalLMModule):
         name = self.dpp["encoder"]
         if name == "base_model":
             return Encoder(self.model, self.get_tokenizer(), "mean", batch_size=1, max_length=None)
-        return load_encoder(name, "mean", batch_size=1, device=self.device)
+        return load_encoder(name, "mean", batch_size=1, device=self.device, key="model.dpp.encoder")
 
     def select_safe(self, pool: list[dict], reference: list[str]) -> list[int]:
         """S (pool indices) by ``dpp.selector`` (``random`` for random_safe), with statistics in ``results``."""

@@ -46,15 +46,21 @@ class RewardModel:
     def check(self) -> None:
         from pathlib import Path
 
+        from datamodules.common.errors import MissingPathError
+
         if not Path(self.path).expanduser().is_dir():
-            raise FileNotFoundError(f"model.reward.path={self.path} is not a directory: point it at a local reward model")
+            raise MissingPathError(f"model.reward.path={self.path} is not a directory — point it at a local reward "
+                                   "model")
 
     def load(self, device) -> None:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+        from datamodules.common.errors import hub_loading
+
         self.check()
-        tok = AutoTokenizer.from_pretrained(self.path)
-        model = AutoModelForSequenceClassification.from_pretrained(self.path, dtype=getattr(torch, self.dtype))
+        with hub_loading(self.path, "model.reward.path", "reward model"):
+            tok = AutoTokenizer.from_pretrained(self.path)
+            model = AutoModelForSequenceClassification.from_pretrained(self.path, dtype=getattr(torch, self.dtype))
         if model.config.num_labels != 1:
             raise ValueError(f"{self.path}: a reward model has one output (num_labels=1), this one {model.config.num_labels}")
         if tok.pad_token is None:
