@@ -92,7 +92,7 @@ def test_multirun_on_slurm_names_the_failed_job(tmp_path):
     summary = json.loads((sweep / "summary.json").read_text())
     assert summary["failed"] == 1 and [j["num"] for j in summary["jobs"]] == [0, 1, 2]
     by_seed = {next(o.split("=", 1)[1] for o in j["overrides"] if o.startswith("seed=")): j for j in summary["jobs"]}
-    assert by_seed["abc"]["status"] == "failed: ConfigError: seed='abc' is not an integer: pass one, e.g. seed=1"
+    assert by_seed["abc"]["status"] == "failed: seed='abc' is not an integer — pass one, e.g. seed=1"
     assert "seed=abc" in out and "1 failed" in out  # the printed table names it too
     losses = {}
     for seed in ("1", "2"):
