@@ -26,9 +26,9 @@ queries than keys, with key padding and packed documents: the RL core, packed PS
 or block windows). A paper's own pattern (HiCI's segment + slot prefix) lives in its package on the same ``Layout``.
 
 ``use_block_attention(model, impl)`` registers the ``paperlab_block`` transformers attention implementation on a
-model: its mask function hands layers the 2-D padding mask (or None, as flash attention's does) instead of a 4-D
-N × N mask, and its attention function runs ``causal_layout`` (padding, packed documents from position ids) through
-``attend``. ``unuse_block_attention(model)`` restores the model's own implementation.
+model: its mask function hands layers the 2-D padding mask (or None, as flash attention's does; ``PACKED`` for packed
+rows, whose documents the layer reads from its position ids) instead of a 4-D N × N mask, and its attention function
+runs ``causal_layout`` (padding, packed documents) through ``attend``. ``unuse_block_attention(model)`` restores the model's own implementation.
 """
 from __future__ import annotations
 
@@ -214,11 +214,12 @@ def rolled_groups_layout(batch: int, n: int, g: int) -> Layout:
 
 def sink_recent_layout(batch: int, q_len: int, kv_len: int, sink: int, recent: int, window: str = "token",
                        block: int = 128, key_valid: torch.Tensor | None = None,
-                       documents: torch.Tensor | None = None, chunk: int = CHUNK) -> Layout:
+                       documents: torch.Tensor | None = None, chunk: int | None = None) -> Layout:
     """The sink + recent subset of ``causal_layout``'s keys (StreamingLLM; DuoAttention's / RLKV's streaming heads):
     ranks count the keys a query may see (its document's valid keys), so key rank r_k and query rank r_q (its count
     - 1); a key is kept when r_k < sink or r_q - r_k < recent, with ``window='block'`` both ranks in blocks of
     ``block`` and sink, recent in whole blocks (ceil). Tiles: per chunk of queries, the sink keys and the recent band."""
+    chunk = CHUNK if chunk is None else chunk
     base = causal_layout(batch, q_len, kv_len, key_valid, documents)
     key_valid, documents = base.tensors or (None, None)
     off = kv_len - q_len
@@ -389,12 +390,16 @@ class _BlockAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def blockwise_attend(q, k, v, layout: Layout, scale: float | None = None, chunk: int = CHUNK,
+def blockwise_attend(q, k, v, layout: Layout, scale: float | None = None, chunk: int | None = None,
                      kernel: str | None = None) -> torch.Tensor:
-    """The block-wise path: q (B, H, Q, D), k/v (B, H_kv, K, D) → (B, H, Q, D). With at most ``chunk`` queries it is
-    one SDPA call on the (B, 1, Q, K) mask (linear in K: decoding steps, short sequences)."""
+    """The block-wise path: q (B, H, Q, D), k/v (B, H_kv, K, D) → (B, H, Q, D). With at most ``chunk`` (default
+    ``CHUNK``) queries it is one SDPA call on the (B, 1, Q, K) mask (linear in K: decoding steps, short sequences)."""
+    chunk = CHUNK if chunk is None else chunk
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     h, h_kv = q.shape[1], k.shape[1]
+    if layout.q_len == layout.kv_len and layout.tiles == [Tile(0, layout.q_len, 0, layout.kv_len, "causal")]:
+        # plain causal: SDPA's own kernel
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=h != h_kv)
     if q.shape[2] <= chunk:
         ar = lambda n: torch.arange(n, device=q.device)  # noqa: E731
         mask = layout.mask(ar(layout.batch), ar(layout.q_len), ar(layout.kv_len))
@@ -435,7 +440,7 @@ def flex_attend(q, k, v, layout: Layout, scale: float | None = None, compiled: b
     return fn(q, k, v, block_mask=bm, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def attend(q, k, v, layout: Layout, impl: str = "auto", scale: float | None = None, chunk: int = CHUNK):
+def attend(q, k, v, layout: Layout, impl: str = "auto", scale: float | None = None, chunk: int | None = None):
     """q (B, H, Q, D), k/v (B, H_kv, K, D) under ``layout`` → (B, H, Q, D), by ``impl`` (``sdpa_dense``: one SDPA
     call on ``layout.dense()``)."""
     impl = resolve_impl(impl, q.device)
@@ -458,10 +463,47 @@ def packed_documents(position_ids: torch.Tensor | None, q_len: int, kv_len: int)
     return find_packed_sequence_indices(position_ids)
 
 
+class PackedRows:
+    """The mask ``paperlab_block`` hands layers for packed rows (transformers found position ids restarting, with no
+    padding mask and no cache, and composed its document mask): the layer reads the documents from its position ids."""
+
+    def __repr__(self):
+        return "PACKED"
+
+
+PACKED = PackedRows()
+
+
+def block_mask_interface(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                         attention_mask=None, **kwargs):
+    """transformers' mask-function contract (``AttentionMaskInterface``) for ``paperlab_block``: the 2-D padding mask
+    or None (as flash attention's), ``PACKED`` for packed rows; never a 4-D mask."""
+    from transformers.masking_utils import causal_mask_function, flash_attention_mask
+
+    padding = flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask)
+    if mask_function is None or mask_function is causal_mask_function:
+        return padding
+    if padding is None:  # transformers composes the causal mask with a document mask only for packed rows
+        return PACKED
+    raise ValueError("paperlab_block attention: this model composes a mask beyond causal + padding + packed rows; "
+                     "use attention_impl=sdpa_dense")
+
+
+def layer_documents(attention_mask, position_ids, batch: int):
+    """(attention mask, document ids) as a layer under ``paperlab_block`` should use them: ``PACKED`` becomes no mask
+    and the documents of its position ids; anything else passes through with no documents."""
+    if attention_mask is not PACKED:
+        return attention_mask, None
+    if position_ids is None:
+        raise ValueError("packed rows without position ids: pass position_ids restarting at 0 at each document")
+    docs = packed_documents(position_ids, position_ids.shape[-1], position_ids.shape[-1])
+    return None, None if docs is None else docs.expand(batch, -1)
+
+
 def block_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                             sliding_window=None, position_ids=None, **kwargs):
     """transformers' attention-function contract (``AttentionInterface``) for ``paperlab_block``: causal attention
-    with the 2-D padding mask and packed documents (from ``position_ids`` when no mask is given) through ``attend``."""
+    with the 2-D padding mask and packed documents (``PACKED``: from ``position_ids``) through ``attend``."""
     if sliding_window is not None:
         raise ValueError("attention_impl: the block-wise / flex paths have no sliding window; use attention_impl="
                          "sdpa_dense for this backbone")
@@ -469,14 +511,12 @@ def block_attention_forward(module, query, key, value, attention_mask, dropout: 
         raise ValueError(f"attention dropout {dropout}: the block-wise / flex paths run without dropout")
     b, _, q_len, _ = query.shape
     kv_len = key.shape[-2]
+    attention_mask, docs = layer_documents(attention_mask, position_ids, b)
     valid = None
     if attention_mask is not None:
         if attention_mask.dim() != 2:
             raise ValueError("paperlab_block attention got a 4-D mask: set the model up with use_block_attention")
         valid = attention_mask[:, -kv_len:].bool()
-    docs = packed_documents(position_ids, q_len, kv_len) if attention_mask is None else None
-    if position_ids is not None and docs is not None and docs.shape[0] != b:
-        docs = docs.expand(b, -1)
     layout = causal_layout(b, q_len, kv_len, valid, docs)
     out = attend(query, key, value, layout, getattr(module, _IMPL_ATTR, "auto"), scaling)
     return out.transpose(1, 2).contiguous(), None
@@ -484,10 +524,10 @@ def block_attention_forward(module, query, key, value, attention_mask, dropout: 
 
 def _register() -> None:
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(BLOCK_IMPL, block_attention_forward)
-    AttentionMaskInterface.register(BLOCK_IMPL, flash_attention_mask)  # the 2-D padding mask or None
+    AttentionMaskInterface.register(BLOCK_IMPL, block_mask_interface)
 
 
 def use_block_attention(model, impl: str = "auto"):
