@@ -59,12 +59,17 @@ def padding(b, n, left=(), right=(), holes=()):
 # --- the engine: tiled = one SDPA call on the layout's own dense mask -------------------------------------------------
 VALID = padding(3, 37, left=[(0, 5)], right=[(1, 7)], holes=[(2, 10, 13)])
 DOCS = torch.tensor([0] * 10 + [1] * 15 + [2] * 12).expand(3, 37)
+# a document wholly padded (row 0), a left pad longer than a decoding step's offset (row 1), a row of padding (row 2)
+VALID2 = padding(3, 37, left=[(1, 20)], holes=[(0, 10, 25), (2, 0, 37)])
 LAYOUTS = {
     "causal": lambda: causal_layout(3, 37, 37),
     "causal_padded": lambda: causal_layout(3, 37, 37, VALID),
     "documents": lambda: causal_layout(3, 37, 37, None, DOCS),
     "documents_padded": lambda: causal_layout(3, 37, 37, VALID, DOCS),
     "decode_padded": lambda: causal_layout(3, 21, 37, VALID),
+    "empty_runs": lambda: causal_layout(3, 37, 37, VALID2, DOCS),
+    "decode_long_pad": lambda: causal_layout(3, 21, 37, VALID2),
+    "sink_recent_empty_runs": lambda: sink_recent_layout(3, 21, 37, 3, 6, "token", 4, VALID2, DOCS, chunk=8),
     "groups": lambda: groups_layout(3, 37, [0, 5, 17, 31, 37]),
     "rolled": lambda: rolled_groups_layout(3, 40, 10),
     "sink_recent_token": lambda: sink_recent_layout(3, 37, 37, 3, 6, "token", 4, VALID, DOCS, chunk=8),

@@ -157,21 +157,35 @@ def causal_layout(batch: int, q_len: int, kv_len: int, key_valid: torch.Tensor |
         same = at(docs, b, p) == at(docs, b, kv)
         return ((kv <= p) & same & at(valid, b, kv)) | ((kv == p) & at(sees_nothing, b, p))
 
+    def causal_tiles(a, s, e, b):
+        """Queries at positions [a, e) seeing every key of [s, their position]."""
+        full = [Tile(a - off, e - off, s, a, "full", b)] if a > s else []
+        return full + [Tile(a - off, e - off, a, e, "causal", b)]
+
     def tiles_for_row(b):
         row_docs = docs[0 if b is None else b]
         cuts = [0] + (torch.nonzero(row_docs[1:] != row_docs[:-1]).flatten() + 1).tolist() + [kv_len]
-        padded = key_valid is not None and not bool(valid[b].all())
         out = []
         for s, e in zip(cuts[:-1], cuts[1:]):
             a = max(s, off)                    # the first query position in [s, e)
             if a >= e:
                 continue
-            if padded:
+            at_ = torch.nonzero(valid[b, s:e]).flatten() if key_valid is not None else None
+            if at_ is None or len(at_) == e - s:
+                out += causal_tiles(a, s, e, b)
+                continue
+            vs, ve = (s + int(at_[0]), s + int(at_[-1]) + 1) if len(at_) else (e, e)
+            if len(at_) != ve - vs:            # holes: the mask decides, chunk by chunk
                 out.append(Tile(a - off, e - off, s, e, "masked" if a > s else "causal_masked", b))
                 continue
-            if a > s:
-                out.append(Tile(a - off, e - off, s, a, "full", b))
-            out.append(Tile(a - off, e - off, a, e, "causal", b))
+            if a < vs:                         # left padding: each sees only itself
+                out.append(Tile(a - off, vs - off, a, vs, "causal_masked", b))
+            if max(a, vs) < ve:                # the valid run: causal over it
+                out += causal_tiles(max(a, vs), vs, ve, b)
+            if max(a, ve) < e:                 # right padding: the whole valid run (or itself, if it is empty)
+                q0 = max(a, ve)
+                out.append(Tile(q0 - off, e - off, vs, ve, "full", b) if ve > vs else
+                           Tile(q0 - off, e - off, q0, e, "causal_masked", b))
         return out
 
     rows = None if documents is None and key_valid is None else list(range(batch))
@@ -214,12 +228,12 @@ def rolled_groups_layout(batch: int, n: int, g: int) -> Layout:
 
 def sink_recent_layout(batch: int, q_len: int, kv_len: int, sink: int, recent: int, window: str = "token",
                        block: int = 128, key_valid: torch.Tensor | None = None,
-                       documents: torch.Tensor | None = None, chunk: int | None = None) -> Layout:
+                       documents: torch.Tensor | None = None, chunk: int = 128) -> Layout:
     """The sink + recent subset of ``causal_layout``'s keys (StreamingLLM; DuoAttention's / RLKV's streaming heads):
     ranks count the keys a query may see (its document's valid keys), so key rank r_k and query rank r_q (its count
     - 1); a key is kept when r_k < sink or r_q - r_k < recent, with ``window='block'`` both ranks in blocks of
-    ``block`` and sink, recent in whole blocks (ceil). Tiles: per chunk of queries, the sink keys and the recent band."""
-    chunk = CHUNK if chunk is None else chunk
+    ``block`` and sink, recent in whole blocks (ceil). Tiles: per ``chunk`` queries, the sink keys and the recent band
+    (chunk + recent keys wide: 128 measured fastest on CPU at N = 4K against 64, 256, 512)."""
     base = causal_layout(batch, q_len, kv_len, key_valid, documents)
     key_valid, documents = base.tensors or (None, None)
     off = kv_len - q_len
