@@ -70,7 +70,7 @@ LAYOUTS = {
     "empty_runs": lambda: causal_layout(3, 37, 37, VALID2, DOCS),
     "decode_long_pad": lambda: causal_layout(3, 21, 37, VALID2),
     "sink_recent_empty_runs": lambda: sink_recent_layout(3, 21, 37, 3, 6, "token", 4, VALID2, DOCS, chunk=8),
-    "groups": lambda: groups_layout(3, 37, [0, 5, 17, 31, 37]),
+    "groups": lambda: groups_layout(3, 37, 10, 3),
     "rolled": lambda: rolled_groups_layout(3, 40, 10),
     "sink_recent_token": lambda: sink_recent_layout(3, 37, 37, 3, 6, "token", 4, VALID, DOCS, chunk=8),
     "sink_recent_block": lambda: sink_recent_layout(3, 37, 37, 3, 6, "block", 4, VALID, None, chunk=8),
@@ -338,7 +338,7 @@ def test_no_tensor_grows_like_n_squared():
     n, ch = 1024, 64
     valid = padding(1, n, left=[(0, 100)])
     layouts = [causal_layout(1, n, n, valid), causal_layout(1, n, n, None, (torch.arange(n) // 300)[None]),
-               groups_layout(1, n, [0, 128, 384, 640, 896, 1024]), rolled_groups_layout(1, n, 256),
+               groups_layout(1, n, 256, 128), rolled_groups_layout(1, n, 256),
                sink_recent_layout(1, n, n, 128, 256, "token", 128, valid, chunk=ch),
                sink_recent_layout(1, n, n, 128, 256, "block", 128, None, chunk=ch),
                segment_layout(1, n, 4, 4, None, valid)]

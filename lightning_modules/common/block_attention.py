@@ -193,20 +193,19 @@ def causal_layout(batch: int, q_len: int, kv_len: int, key_valid: torch.Tensor |
                   (key_valid, documents))
 
 
-def groups_layout(batch: int, n: int, bounds: list[int]) -> Layout:
-    """Causal attention inside consecutive groups [bounds[i], bounds[i+1]) of the N positions (bounds from 0 to N):
-    segment-local attention (S equal groups) and S²-Attn's groups (shifted: [0, G/2), [G/2, 3G/2), ..., [N-G/2, N))."""
-    if bounds[0] != 0 or bounds[-1] != n or any(b1 <= b0 for b0, b1 in zip(bounds[:-1], bounds[1:])):
-        raise ValueError(f"groups_layout: bounds {bounds} must rise strictly from 0 to {n}")
-    starts = torch.tensor(bounds[1:-1], dtype=torch.long)
+def groups_layout(batch: int, n: int, size: int, shift: int = 0) -> Layout:
+    """Causal attention inside groups of ``size`` positions, the group of position i being (i + shift) // size:
+    segment-local attention (S groups of N/S) and S²-Attn's groups (shift G/2: [0, G/2), [G/2, 3G/2), ...,
+    [N - G/2, N)). Arithmetic only, so FlexAttention compiles it without captured tensors."""
+    if size < 1 or not 0 <= shift < size:
+        raise ValueError(f"groups_layout: size {size} >= 1 and shift {shift} in [0, size) needed")
 
     def mask_mod(b, h, q, kv):
-        s = starts.to(q.device)
-        group = lambda i: (i.unsqueeze(-1) >= s).sum(-1)  # noqa: E731
-        return (kv <= q) & (group(q) == group(kv))
+        return (kv <= q) & ((q + shift) // size == (kv + shift) // size)
 
-    tiles = [Tile(b0, b1, b0, b1, "causal") for b0, b1 in zip(bounds[:-1], bounds[1:])]
-    return Layout(mask_mod, tiles, batch, n, n, ("groups", tuple(bounds)))
+    bounds = [0] + list(range(size - shift, n, size)) + [n]
+    tiles = [Tile(b0, b1, b0, b1, "causal") for b0, b1 in zip(bounds[:-1], bounds[1:]) if b1 > b0]
+    return Layout(mask_mod, tiles, batch, n, n, ("groups", size, shift))
 
 
 def rolled_groups_layout(batch: int, n: int, g: int) -> Layout:

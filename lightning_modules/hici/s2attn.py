@@ -42,10 +42,8 @@ def _grouped_causal(q, k, v, g: int, mask=None):
 def s2_layouts(batch: int, n: int, g: int, shift: str):
     """The plain heads' and the shifted heads' layouts: groups [0, G), [G, 2G), ...; shifted [0, G/2), [G/2, 3G/2),
     ..., [N - G/2, N) (``no_wrap``) or LongLoRA's rolled groups (``roll``)."""
-    plain = groups_layout(batch, n, list(range(0, n + 1, g)))
-    if shift == "roll":
-        return plain, rolled_groups_layout(batch, n, g)
-    return plain, groups_layout(batch, n, [0] + list(range(g // 2, n, g)) + [n])
+    plain = groups_layout(batch, n, g)
+    return plain, rolled_groups_layout(batch, n, g) if shift == "roll" else groups_layout(batch, n, g, g // 2)
 
 
 def s2_attention(q, k, v, group_ratio: float = 0.25, shift: str = "no_wrap", attention_impl: str = "auto"):
@@ -107,7 +105,7 @@ class LocalCore:
         if n % self.num_segments:
             raise ValueError(f"sequence length {n} is not divisible by hici.num_segments={self.num_segments}")
         if resolve_impl(self.attention_impl, q.device) != "sdpa_dense":
-            layout = groups_layout(q.shape[0], n, list(range(0, n + 1, n // self.num_segments)))
+            layout = groups_layout(q.shape[0], n, n // self.num_segments)
             return attend(q, k, v, layout, self.attention_impl).transpose(1, 2)
         h = q.shape[1]
         k, v = repeat_kv(k, h // k.shape[1]), repeat_kv(v, h // v.shape[1])
