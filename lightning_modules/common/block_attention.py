@@ -6,9 +6,10 @@ every allowed pair exactly once, each ``full``, ``causal`` (square; key k0 + j i
 ``masked`` (the mask_mod decides) or ``causal_masked`` (the mask_mod decides, and nothing above the diagonal is
 allowed). ``attend(q, k, v, layout, impl)`` computes softmax(q kᵀ · scale + mask) v with
 
-- ``blockwise``: the tiles cut into chunks of at most ``chunk`` × ``chunk``; each chunk is one fused attention call
-  (CPU: ``aten._scaled_dot_product_flash_attention_for_cpu``, which returns the log-sum-exp; elsewhere a plain
-  PyTorch softmax on the chunk), merged exactly by log-sum-exp. A custom autograd function keeps only q, k, v, the
+- ``blockwise``: one fused attention call per tile (CPU: ``aten._scaled_dot_product_flash_attention_for_cpu``,
+  ``is_causal`` for causal tiles; it returns the log-sum-exp), masked tiles cut into chunks of at most ``chunk`` ×
+  ``chunk`` (a chunk the mask fills passes unmasked, an empty one is skipped); elsewhere a plain PyTorch softmax per
+  chunk, every tile cut. The pieces merge exactly by log-sum-exp. A custom autograd function keeps only q, k, v, the
   output and the log-sum-exp (O(N)); its backward recomputes each chunk (the fused backward given the *merged*
   output and log-sum-exp is exactly that chunk's share of the gradient). The mask_mod is evaluated one chunk at a
   time, so no tensor larger than chunk × chunk (or, for fewer than ``chunk`` queries, queries × keys) is built.
@@ -21,14 +22,15 @@ allowed). ``attend(q, k, v, layout, impl)`` computes softmax(q kᵀ · scale + m
 
 Patterns here (shared by two or more users): ``causal_layout`` (causal, bottom-right aligned when there are fewer
 queries than keys, with key padding and packed documents: the RL core, packed PS-PPO, RLKV's full branch),
-``groups_layout`` (causal inside consecutive groups: segment-local attention, S²-Attn's groups), ``rolled_groups_layout``
-(LongLoRA's rolled groups) and ``sink_recent_layout`` (StreamingLLM / DuoAttention / RLKV streaming heads, token
+``groups_layout`` (causal inside consecutive groups: segment-local attention, S²-Attn's groups),
+``rolled_groups_layout`` (LongLoRA's rolled groups) and ``sink_recent_layout`` (StreamingLLM / DuoAttention / RLKV streaming heads, token
 or block windows). A paper's own pattern (HiCI's segment + slot prefix) lives in its package on the same ``Layout``.
 
 ``use_block_attention(model, impl)`` registers the ``paperlab_block`` transformers attention implementation on a
 model: its mask function hands layers the 2-D padding mask (or None, as flash attention's does; ``PACKED`` for packed
 rows, whose documents the layer reads from its position ids) instead of a 4-D N × N mask, and its attention function
-runs ``causal_layout`` (padding, packed documents) through ``attend``. ``unuse_block_attention(model)`` restores the model's own implementation.
+runs ``causal_layout`` (padding, packed documents) through ``attend``. ``unuse_block_attention(model)`` restores
+the model's own implementation.
 """
 from __future__ import annotations
 
@@ -105,7 +107,8 @@ class Layout:
         return self.mask(ar(self.batch), ar(self.q_len), ar(self.kv_len))
 
     def key(self) -> tuple:
-        digest = lambda t: hashlib.blake2b(t.detach().cpu().contiguous().numpy().tobytes(), digest_size=16).hexdigest()  # noqa: E731
+        def digest(t):
+            return hashlib.blake2b(t.detach().cpu().contiguous().numpy().tobytes(), digest_size=16).hexdigest()
         return (self.params, self.batch, self.q_len, self.kv_len) + tuple(
             None if t is None else (tuple(t.shape), str(t.dtype), digest(t)) for t in self.tensors)
 
@@ -434,8 +437,9 @@ def block_mask(layout: Layout, device, compiled: bool = True):
 
     key = (layout.key(), str(device), compiled)
     if key not in _BLOCK_MASKS:
-        _BLOCK_MASKS[key] = create_block_mask(layout.mask_mod, layout.batch, None, layout.q_len, layout.kv_len,
-                                              device=device, BLOCK_SIZE=FLEX_BLOCK, _compile=compiled)
+        per_row = any(t is not None for t in layout.tensors)  # else one mask broadcast over the batch
+        _BLOCK_MASKS[key] = create_block_mask(layout.mask_mod, layout.batch if per_row else None, None, layout.q_len,
+                                              layout.kv_len, device=device, BLOCK_SIZE=FLEX_BLOCK, _compile=compiled)
         while len(_BLOCK_MASKS) > 16:
             _BLOCK_MASKS.popitem(last=False)
     _BLOCK_MASKS.move_to_end(key)
