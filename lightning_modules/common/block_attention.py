@@ -452,7 +452,9 @@ def flex_attend(q, k, v, layout: Layout, scale: float | None = None, compiled: b
 
     fn = flex_attention
     if compiled:
-        fn = _COMPILED.get("flex") or _COMPILED.setdefault("flex", torch.compile(flex_attention, dynamic=False))
+        # torch.compile's default dynamic=None: a second length recompiles once with symbolic shapes instead of once
+        # per length (RL rollouts vary), which would hit the recompile limit and fall back to eager (N x N scores)
+        fn = _COMPILED.get("flex") or _COMPILED.setdefault("flex", torch.compile(flex_attention))
     bm = block_mask(layout, q.device, compiled)
     return fn(q, k, v, block_mask=bm, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
