@@ -85,15 +85,22 @@ class Tile:
 
 @dataclass
 class Layout:
-    """Which keys each query sees: ``mask_mod`` and the ``tiles`` that cover its allowed pairs once. ``params`` and
-    ``tensors`` identify it (the FlexAttention BlockMask cache key)."""
+    """Which keys each query sees: ``mask_mod`` and the ``tiles`` that cover its allowed pairs once (a list, or a
+    function making it: per-row tiles read the mask on the host, so they are made only when the tiled path runs).
+    ``params`` and ``tensors`` identify it (the FlexAttention BlockMask cache key)."""
     mask_mod: Callable
-    tiles: list[Tile]
+    make_tiles: list[Tile] | Callable[[], list[Tile]]
     batch: int
     q_len: int
     kv_len: int
     params: tuple = ()
     tensors: tuple = field(default=(), repr=False)
+
+    @property
+    def tiles(self) -> list[Tile]:
+        if callable(self.make_tiles):
+            self.make_tiles = self.make_tiles()
+        return self.make_tiles
 
     def mask(self, b: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         """The mask_mod on broadcastable index tensors → bool (len(b), 1, len(q), len(kv))."""
@@ -118,8 +125,9 @@ def at(t: torch.Tensor, b, i) -> torch.Tensor:
     return t[b, i.clamp(0, t.shape[-1] - 1)]
 
 
-def _row_tiles(tiles_for_row: Callable[[int | None], list[Tile]], rows: list[int] | None) -> list[Tile]:
-    return tiles_for_row(None) if rows is None else [t for b in rows for t in tiles_for_row(b)]
+def _row_tiles(tiles_for_row: Callable[[int | None], list[Tile]], rows: list[int] | None):
+    """A function making every row's tiles (one set for all rows when ``rows`` is None)."""
+    return lambda: tiles_for_row(None) if rows is None else [t for b in rows for t in tiles_for_row(b)]
 
 
 def _ranks(batch: int, kv_len: int, key_valid, documents):
@@ -461,9 +469,10 @@ def flex_attend(q, k, v, layout: Layout, scale: float | None = None, compiled: b
 
 def attend(q, k, v, layout: Layout, impl: str = "auto", scale: float | None = None, chunk: int | None = None):
     """q (B, H, Q, D), k/v (B, H_kv, K, D) under ``layout`` → (B, H, Q, D), by ``impl`` (``sdpa_dense``: one SDPA
-    call on ``layout.dense()``)."""
+    call on ``layout.dense()``). At most ``chunk`` queries (decoding steps, short rows) take the block-wise path's
+    one SDPA call on the (B, 1, Q, K) mask under any impl: linear in K, no compilation, no BlockMask."""
     impl = resolve_impl(impl, q.device)
-    if impl == "flex":
+    if impl == "flex" and q.shape[2] > (CHUNK if chunk is None else chunk):
         return flex_attend(q, k, v, layout, scale)
     if impl == "sdpa_dense":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=layout.dense(q.device), scale=scale,
