@@ -10,10 +10,11 @@ pattern's attention, then backward of the output's sum. Each pattern runs under 
 code) and ``auto`` (block-wise on CPU, FlexAttention on CUDA); ``causal`` is plain causal SDPA at the same N, the
 yardstick (goal: every pattern's peak within 2x of it at 16K, time within 2x).
 
-Peak memory, CPU: every cell runs in a fresh subprocess, which builds its inputs, runs the cell once (warm-up),
-resets the kernel's resident-set high-water mark (``echo 5 > /proc/self/clear_refs``, Linux), runs it again and
-reports VmHWM - VmRSS before that run (``/proc/self/status``): the physical memory the forward + backward added at
-its peak, the inputs excluded. CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, the
+Peak memory, CPU: every cell runs in a fresh subprocess (glibc told to mmap every allocation of 64 KiB or more and
+unmap it when freed, ``MALLOC``, so the resident set follows the live tensors), which builds its inputs, runs the
+cell once (warm-up), resets the kernel's resident-set high-water mark (``echo 5 > /proc/self/clear_refs``, Linux),
+runs it again and reports VmHWM - VmRSS before that run (``/proc/self/status``): the physical memory the forward +
+backward added at its peak, the inputs excluded. CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, the
 inputs excluded. Time: the best of ``--repeats`` runs after the warm-up. Times taken while other processes share
 the cores are upper bounds.
 
@@ -37,6 +38,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+# glibc: every allocation >= 64 KiB its own mmap, unmapped when freed (no dynamic threshold, no trim slack), so the
+# resident set follows the live tensors and a warm-up's freed memory is not silently reused by the measured run
+MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 LENGTHS = (2048, 4096, 8192, 16384)
 CUDA_LENGTHS = (4096, 16384, 65536)
 IMPLS = ("sdpa_dense", "auto")
@@ -145,7 +149,7 @@ def run_cell(case: str, n: int, impl: str, repeats: int, threads: int, timeout: 
             return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"}
         finally:
             torch.cuda.empty_cache()
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **MALLOC}
     cmd = [sys.executable, "-m", "benchmarks.attention", "--cell", case, str(n), impl, "--repeats", str(repeats)]
     try:
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
