@@ -460,9 +460,12 @@ def flex_attend(q, k, v, layout: Layout, scale: float | None = None, compiled: b
 
     fn = flex_attention
     if compiled:
-        # torch.compile's default dynamic=None: a second length recompiles once with symbolic shapes instead of once
-        # per length (RL rollouts vary), which would hit the recompile limit and fall back to eager (N x N scores)
-        fn = _COMPILED.get("flex") or _COMPILED.setdefault("flex", torch.compile(flex_attention))
+        # CUDA: torch.compile's default dynamic=None, so a second length recompiles once with symbolic shapes instead
+        # of once per length (RL rollouts vary; past the recompile limit torch would run unfused, N x N scores).
+        # CPU: static shapes (torch 2.13's C++ flex template fails to compile with symbolic ones; forward only anyway)
+        cpu = q.device.type == "cpu"
+        fn = _COMPILED.get(cpu) or _COMPILED.setdefault(cpu, torch.compile(flex_attention,
+                                                                          dynamic=False if cpu else None))
     bm = block_mask(layout, q.device, compiled)
     return fn(q, k, v, block_mask=bm, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
