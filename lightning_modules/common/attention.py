@@ -10,6 +10,10 @@ RoPE, shapes (batch, heads, seq, head_dim) and (batch, kv_heads, seq, head_dim).
 installs it on every attention layer; everything else (projections, norms, RoPE, the KV cache, ``o_proj``) stays the
 layer's own. Works for any layer with ``q_proj/k_proj/v_proj/o_proj`` and ``head_dim`` (LLaMA, Qwen3, Mistral, ...).
 
+- Packed rows (position ids restarting inside a row, no attention mask, no cache) on a model set up by
+  ``common.block_attention.use_block_attention`` (whose masks are the 2-D padding mask or None, never N × N) reach
+  the core as ``attention_mask=None, documents=`` (B, N) document ids; a core without a ``documents`` parameter
+  refuses them.
 - The core runs when there is no cache history (training, prefill); decoding steps with a non-empty cache fall back
   to the layer's configured attention (sdpa/eager/flash), as HiCI's and LongLoRA's inference does.
   ``patch_attention(model, core, decode=True)`` runs the core on decoding steps too (q = the new tokens, k/v = the
@@ -28,6 +32,7 @@ If transformers changes its attention signature, this file is the one edit.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import types
 from typing import Callable
 
@@ -37,6 +42,7 @@ import torch.nn.functional as F
 _PATCH_ATTR = "_paperlab_core"
 _ENABLED_ATTR = "_paperlab_core_enabled"
 _DECODE_ATTR = "_paperlab_core_decode"
+_DOCUMENTS_ATTR = "_paperlab_core_documents"
 
 
 def attention_modules(model) -> list[torch.nn.Module]:
@@ -123,20 +129,42 @@ def _patched_forward(self, hidden_states, position_embeddings=None, attention_ma
     if cache is not None:
         k, v = cache.update(k, v, self.layer_idx)
     if getattr(self, _ENABLED_ATTR, True) and (history == 0 or getattr(self, _DECODE_ATTR, False)):
-        out = getattr(self, _PATCH_ATTR)(self, hidden_states, q, k, v, attention_mask)
+        core = getattr(self, _PATCH_ATTR)
+        attention_mask, documents = _packed_documents(attention_mask, kwargs.get("position_ids"), q.shape[0])
+        if documents is None:
+            out = core(self, hidden_states, q, k, v, attention_mask)
+        elif getattr(self, _DOCUMENTS_ATTR, False):
+            out = core(self, hidden_states, q, k, v, attention_mask, documents=documents)
+        else:
+            raise ValueError(f"{getattr(core, '__qualname__', type(core).__name__)} does not attend within packed "
+                             "documents (position ids restart inside a row): feed unpacked rows, or set "
+                             "attention_impl=sdpa_dense so transformers builds the document mask")
     else:
         out = standard_attention(self, q, k, v, attention_mask, **kwargs)
     out = out.reshape(*input_shape, -1).contiguous()
     return self.o_proj(out), None
 
 
+def _packed_documents(attention_mask, position_ids, batch: int):
+    """(mask, document ids (B, N) or None): packed rows under ``use_block_attention`` come as its ``PACKED`` mask
+    (elsewhere transformers folds the documents into a 4-D mask)."""
+    from lightning_modules.common.block_attention import layer_documents
+
+    return layer_documents(attention_mask, position_ids, batch)
+
+
 def patch_attention(model, core: Callable, decode: bool = False) -> list[torch.nn.Module]:
     """Install ``core`` on every attention layer (per instance; the class is untouched). Returns the layers.
     ``decode``: also run it on cached decoding steps (default: prefill/training only)."""
     layers = attention_modules(model)
+    try:
+        takes_documents = "documents" in inspect.signature(core).parameters
+    except (TypeError, ValueError):
+        takes_documents = False
     for attn in layers:
         object.__setattr__(attn, _PATCH_ATTR, core)
         object.__setattr__(attn, _DECODE_ATTR, decode)
+        object.__setattr__(attn, _DOCUMENTS_ATTR, takes_documents)
         attn.forward = types.MethodType(_patched_forward, attn)
     return layers
 
@@ -149,6 +177,7 @@ def unpatch_attention(model) -> None:
             attn.__dict__.pop("forward", None)
             attn.__dict__.pop(_ENABLED_ATTR, None)
             attn.__dict__.pop(_DECODE_ATTR, None)
+            attn.__dict__.pop(_DOCUMENTS_ATTR, None)
 
 
 def is_patched(model) -> bool:

@@ -37,6 +37,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lightning_modules.common.block_attention import Layout, Tile, at, attend, check_impl, resolve_impl
+
 CAUSAL_MODES = ("none", "causal_gi", "causal_gi_gonly", "causal_shift", "causal_shift_g")
 QUERY_INITS = ("top_norm_tokens", "xavier")
 STD_FLOOR = 1e-6  # the release's clamp on the standard deviation
@@ -152,14 +154,47 @@ class GlobalIntegrator(nn.Module):
         return self.out(sel) * F.softplus(self.gate)
 
 
+def segment_layout(batch: int, n_tok: int, num_segments: int, prefix_len: int = 0, prefix_valid=None,
+                   token_valid=None) -> Layout:
+    """The top-down broadcast as a ``common.block_attention.Layout`` over the keys [N tokens; S·P prefix slots]
+    (segment i's P slots at N + i·P): a query of segment i sees its segment's prefix (if ``prefix_valid``) and,
+    causally, its segment's valid tokens and itself. Tiles per segment: the prefix (n × P) and the causal square."""
+    s, n, p = num_segments, n_tok // num_segments, prefix_len
+    pv = None if prefix_valid is None else prefix_valid.bool().expand(batch, s)
+    pv = None if pv is None or bool(pv.all()) else pv
+    tv = None if token_valid is None or bool(token_valid.all()) else token_valid.bool()
+
+    def mask_mod(b, h, q, kv):
+        seg = q // n
+        own = (kv < n_tok) & (kv // n == seg) & (kv <= q)
+        if tv is not None:
+            own = own & (at(tv, b, kv) | (kv == q))
+        if p == 0:
+            return own
+        pre = (kv >= n_tok) & ((kv - n_tok) // p == seg)
+        if pv is not None:
+            pre = pre & at(pv, b, seg)
+        return own | pre
+
+    tiles = []
+    for i in range(s):
+        if p:
+            tiles.append(Tile(i * n, (i + 1) * n, n_tok + i * p, n_tok + (i + 1) * p, "full" if pv is None else "masked"))
+        padded = tv is not None and not bool(tv[:, i * n:(i + 1) * n].all())
+        tiles.append(Tile(i * n, (i + 1) * n, i * n, (i + 1) * n, "causal_masked" if padded else "causal"))
+    return Layout(mask_mod, tiles, batch, n_tok, n_tok + s * p, ("hici_segments", s, p), (pv, tv))
+
+
 def segment_attention(q, k, v, prefix_k=None, prefix_v=None, prefix_valid=None, num_segments: int = 1,
-                      token_valid=None):
+                      token_valid=None, attention_impl: str = "auto"):
     """Vectorised top-down broadcast.
 
     q (B, h, N, D) and k, v (B, kv, N, D) of the tokens; prefix_k/v (B, S, kv, P, D) per segment (or None);
     prefix_valid (S,) or (B, S) bool, whether segment i may see its prefix; token_valid (B, N) bool, the non-padded
     tokens (a padded token still sees itself, so its row stays finite). Each query of segment i attends to segment
     i's prefix and causally to segment i's own valid tokens; nothing else. Returns (B, N, h, D).
+    ``attention_impl`` (``common.block_attention``): ``blockwise`` / ``flex`` run ``segment_layout`` without an
+    n × (P + n) mask; ``sdpa_dense`` is the dense-mask reference below; ``auto`` = flex on CUDA, else blockwise.
     """
     b, h, n_tok, d = q.shape
     s = num_segments
@@ -167,6 +202,13 @@ def segment_attention(q, k, v, prefix_k=None, prefix_v=None, prefix_valid=None, 
         raise ValueError(f"sequence length {n_tok} is not divisible by hici.num_segments={s}: pad or pick data.seq_len "
                          "as a multiple of it")
     n = n_tok // s
+    if resolve_impl(attention_impl, q.device) != "sdpa_dense":
+        p = 0 if prefix_k is None else prefix_k.shape[-2]
+        if p:  # the prefix slots after the tokens: (B, S, kv, P, D) -> (B, kv, S*P, D)
+            flat = lambda t: t.permute(0, 2, 1, 3, 4).reshape(b, t.shape[2], s * p, d)  # noqa: E731
+            k, v = torch.cat([k, flat(prefix_k)], dim=2), torch.cat([v, flat(prefix_v)], dim=2)
+        layout = segment_layout(b, n_tok, s, p, prefix_valid, token_valid)
+        return attend(q, k, v, layout, attention_impl).transpose(1, 2)
     rep = h // k.shape[1]
     seg = lambda t: t.view(t.shape[0], t.shape[1], s, n, d).transpose(1, 2)  # (B, S, heads, n, D)
     qs, ks, vs = seg(q), seg(k), seg(v)
@@ -209,10 +251,12 @@ class HiCICore:
     """The attention core installed by ``common.attention.patch_attention``: reads ``attn.local_constructor`` and
     ``attn.global_integrator`` (attached to each layer) and runs construction → integration → broadcast."""
 
-    def __init__(self, num_segments: int = 4, causal_mode: str = "causal_shift_g", eval_segments: int | None = None):
+    def __init__(self, num_segments: int = 4, causal_mode: str = "causal_shift_g", eval_segments: int | None = None,
+                 attention_impl: str = "auto"):
         if causal_mode not in CAUSAL_MODES:
             raise ValueError(f"hici.causal_mode={causal_mode!r}: choose one of {', '.join(CAUSAL_MODES)}")
         self.num_segments, self.causal_mode = num_segments, causal_mode
+        self.attention_impl = check_impl(attention_impl)
         self.eval_segments = eval_segments or num_segments  # in eval mode (Option B prefill: 1 = whole sequence)
 
     def __call__(self, attn, hidden_states, q, k, v, attention_mask=None):
@@ -248,14 +292,15 @@ class HiCICore:
             # the prefix exists once a valid segment has been pooled: from segment 0 (or 1 when shifted) on
             valid = torch.cat([torch.zeros_like(seen[:, :1]), seen[:, :-1]], dim=1) if shift else seen
         if not parts:
-            return segment_attention(q, k, v, num_segments=s, token_valid=tok)
+            return segment_attention(q, k, v, num_segments=s, token_valid=tok, attention_impl=self.attention_impl)
         prefix = torch.cat(parts, dim=2).to(hidden_states.dtype)  # (B, S, P, H)
         p = prefix.shape[2]
         pk, pv = project_kv_no_rope(attn, prefix.reshape(b, s * p, hdim))  # (B, kv, S*P, D)
         kv, d = pk.shape[1], pk.shape[-1]
         pk = pk.view(b, kv, s, p, d).transpose(1, 2)
         pv = pv.view(b, kv, s, p, d).transpose(1, 2)
-        return segment_attention(q, k, v, pk, pv, valid, num_segments=s, token_valid=tok)
+        return segment_attention(q, k, v, pk, pv, valid, num_segments=s, token_valid=tok,
+                                 attention_impl=self.attention_impl)
 
 
 def local_constructor_params(hidden: int, slots: int, bottleneck: int, bias: bool = False) -> int:

@@ -11,6 +11,9 @@ The recipe (spec ../shared/papers/hici.md, from the released ``fine-tune_hici.py
   global_query_init ``top_norm_tokens`` (the spec's: the K highest-norm token embeddings through the compressor
   and expander) | ``xavier``.
 - ``s2``: group_ratio 1/4, shift ``no_wrap`` (default, leak-free) | ``roll`` (LongLoRA's code; wraps, leaks).
+- ``attention_impl``: ``auto`` (FlexAttention on CUDA, block-wise elsewhere) | ``flex`` | ``blockwise`` compute the
+  cores' patterns and the layers' padding masks without N × N tensors (``common.block_attention``); ``sdpa_dense``
+  is the dense-mask code (the reference; the release's way).
 - ``lora``: r=8, α=16, dropout 0 on q/k/v/o (``common.lora.apply_lora``); ``trainable``: embeddings and norms
   fully trainable; HiCI modules trainable with their own lr ``hici_lr`` (2e-4 vs 2e-5) and their own grad-norm clip
   ``hici_grad_clip``
@@ -53,6 +56,7 @@ import torch
 from lightning_modules.common.attention import (attention_enabled, attention_modules, patch_attention,
                                                  set_linear_rope_scaling, unpatch_attention)
 from lightning_modules.common.backbone import build_backbone
+from lightning_modules.common.block_attention import check_impl, unuse_block_attention, use_block_attention
 from lightning_modules.common.lm import CausalLMModule
 from lightning_modules.common.lora import apply_lora, merge_lora
 from lightning_modules.hici.hici_attention import (QUERY_INITS, GlobalIntegrator, HiCICore, LocalConstructor,
@@ -139,13 +143,13 @@ class HiCILongContextLM(CausalLMModule):
                  lora: Mapping | None = None, trainable: list[str] | tuple = ("embed", "norm"),
                  hici_lr: float = 2e-4, hici_grad_clip: float | None = 0.3, rope: Mapping | None = None,
                  eval_mode: str = "full", evaluation: Mapping | None = None, export_dir: str | None = None,
-                 init_from: str | None = None):
+                 init_from: str | None = None, attention_impl: str = "auto"):
         if attention not in ATTENTIONS:
             raise ValueError(f"model.attention={attention!r}: choose one of {', '.join(ATTENTIONS)}")
         if eval_mode not in ("full", "hici"):
             raise ValueError(f"model.eval_mode={eval_mode!r}: choose full (the paper's) or hici")
         super().__init__(backbone, optimizer, scheduler, weight_decay)
-        self.attention = attention
+        self.attention, self.attention_impl = attention, check_impl(attention_impl)
         self.hici_cfg = _merge(HICI_DEFAULTS, hici, "hici")
         self.s2_cfg = _merge(S2_DEFAULTS, s2, "s2")
         self.lora_cfg = _merge(LORA_DEFAULTS, lora, "lora")
@@ -174,12 +178,14 @@ class HiCILongContextLM(CausalLMModule):
 
     # --- model -----------------------------------------------------------------------------------
     def make_core(self):
+        impl = self.attention_impl
         if self.attention == "hici":
-            return HiCICore(self.hici_cfg["num_segments"], self.hici_cfg["causal_mode"], self.hici_cfg["eval_segments"])
+            return HiCICore(self.hici_cfg["num_segments"], self.hici_cfg["causal_mode"], self.hici_cfg["eval_segments"],
+                            impl)
         if self.attention == "s2":
-            return S2Core(self.s2_cfg["group_ratio"], self.s2_cfg["shift"])
+            return S2Core(self.s2_cfg["group_ratio"], self.s2_cfg["shift"], impl)
         if self.attention == "local":
-            return LocalCore(self.hici_cfg["num_segments"])
+            return LocalCore(self.hici_cfg["num_segments"], impl)
         return None
 
     def build_model(self):
@@ -196,6 +202,7 @@ class HiCILongContextLM(CausalLMModule):
         core = self.make_core()
         if core is not None:
             patch_attention(model, core)
+        use_block_attention(model, self.attention_impl)  # padded batches: the 2-D mask, not transformers' N x N one
         if self.lora_cfg["enabled"]:
             model = apply_lora(model, self.lora_cfg["r"], self.lora_cfg["alpha"], self.lora_cfg["dropout"],
                                self.lora_cfg["targets"], trainable=[*self.trainable, *HICI_KEYS])
@@ -241,7 +248,7 @@ class HiCILongContextLM(CausalLMModule):
                 if key in attn._modules:
                     del attn._modules[key]
         unpatch_attention(model)
-        return model
+        return unuse_block_attention(model)
 
     def _eval_context(self):
         return attention_enabled(self.model, self.eval_mode == "hici")

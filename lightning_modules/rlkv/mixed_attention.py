@@ -7,6 +7,12 @@ query may see. Keys are counted from a row's first real token: the ranks come fr
 new tokens, k/v = the whole cache) all count the same way. ``window='block'`` is the released block-sparse kernel's
 pattern: ranks in blocks of ``block`` tokens, the first ceil(sink/block) blocks and the ceil(recent/block) latest
 (the query's own block included). One gate per KV head, shared by its GQA group; the model stays frozen.
+
+``attention_impl`` (``common.block_attention``): ``blockwise`` / ``flex`` (``auto``: flex on CUDA, else blockwise) run
+both branches as layouts (``causal_layout``, ``sink_recent_layout``) from the 2-D padding mask and packed documents,
+without the N × K masks and the int32 running count; ``sdpa_dense`` is the dense code below (the reference). A 4-D
+mask (a model left on ``sdpa``/``eager``) is already N × K and goes the dense way: ``common.block_attention.
+use_block_attention`` makes transformers hand the 2-D mask instead (the RL core does it for ``model.attention_impl``).
 """
 from __future__ import annotations
 
@@ -16,6 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from lightning_modules.common.attention import attention_modules, patch_attention
+from lightning_modules.common.block_attention import (attend, causal_layout, check_impl, resolve_impl,
+                                                      sink_recent_layout)
 
 WINDOWS = ("token", "block")
 
@@ -67,10 +75,11 @@ class MixedAttention(torch.nn.Module):
     """The gates α (L, H_kv), init ``init``, and the attention core that mixes with them (``install(model)``)."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, sink: int = 128, recent: int = 256, window: str = "token",
-                 block: int = 128, init: float = 1.0):
+                 block: int = 128, init: float = 1.0, attention_impl: str = "auto"):
         super().__init__()
         check_window(sink, recent, window, block)
         self.sink, self.recent, self.window, self.block = sink, recent, window, block
+        self.attention_impl = check_impl(attention_impl)
         self.gates = torch.nn.Parameter(torch.full((n_layers, n_kv_heads), float(init)))
 
     @classmethod
@@ -87,13 +96,22 @@ class MixedAttention(torch.nn.Module):
     def clamp_(self) -> None:
         self.gates.clamp_(0.0, 1.0)
 
-    def core(self, attn, hidden_states, q, k, v, attention_mask):
+    def core(self, attn, hidden_states, q, k, v, attention_mask, documents=None):
         B, Hq, N, _ = q.shape
         K = k.shape[-2]
-        allowed = allowed_keys(attention_mask, N, K, q.device)
-        stream = streaming_keys(allowed, self.sink, self.recent, self.window, self.block)
-        gqa = Hq != k.shape[1]
-        full = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=attn.scaling, enable_gqa=gqa)
-        part = F.scaled_dot_product_attention(q, k, v, attn_mask=stream, scale=attn.scaling, enable_gqa=gqa)
+        dense = attention_mask is not None and attention_mask.dim() == 4
+        if resolve_impl(self.attention_impl, q.device) == "sdpa_dense" or dense:
+            if documents is not None:  # packed rows as the 4-D mask transformers' sdpa would have built
+                attention_mask = documents[:, None, :, None] == documents[:, None, None, :]
+            allowed = allowed_keys(attention_mask, N, K, q.device)
+            stream = streaming_keys(allowed, self.sink, self.recent, self.window, self.block)
+            gqa = Hq != k.shape[1]
+            full = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=attn.scaling, enable_gqa=gqa)
+            part = F.scaled_dot_product_attention(q, k, v, attn_mask=stream, scale=attn.scaling, enable_gqa=gqa)
+        else:
+            valid = None if attention_mask is None else attention_mask[:, -K:].bool()
+            full = attend(q, k, v, causal_layout(B, N, K, valid, documents), self.attention_impl, attn.scaling)
+            part = attend(q, k, v, sink_recent_layout(B, N, K, self.sink, self.recent, self.window, self.block, valid,
+                                                      documents), self.attention_impl, attn.scaling)
         a = self.gates[attn.layer_idx].to(q.dtype).repeat_interleave(Hq // k.shape[1])[None, :, None, None]
         return (a * full + (1 - a) * part).transpose(1, 2)

@@ -43,7 +43,7 @@ class GatedModelMixin:
 
     def install_gates(self, model, window: Mapping[str, Any]):
         model.requires_grad_(False)
-        self.mixed = MixedAttention.for_model(model, **window)
+        self.mixed = MixedAttention.for_model(model, **window, attention_impl=getattr(self, "attention_impl", "auto"))
         self.mixed.install(model)
         return model
 

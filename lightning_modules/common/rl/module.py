@@ -24,6 +24,9 @@ match, ``val/reward`` for a reward model). ``warmup`` (a dict, optional) starts 
 on the task format (``warmup.py``). Logged per step: reward, accuracy, response length, KL (to π_old, and to
 π_ref when beta > 0), clip fraction, tokens backpropagated vs full, max weight, gradient norm, rollout/update wall
 time; with ``measure_activations`` the bytes autograd saves per micro-batch.
+``attention_impl`` (``common.block_attention``): ``auto`` (FlexAttention on CUDA, block-wise elsewhere) | ``flex`` |
+``blockwise`` run the policy's attention through ``use_block_attention``, so padded and packed rows
+never build an N × N mask; ``sdpa_dense`` leaves the backbone's own implementation (transformers' 4-D masks).
 Under DeepSpeed ZeRO the gradients are partitioned, so the engine clips: :meth:`setup` writes ``max_grad_norm``
 into its config's ``gradient_clipping`` (Lightning would write ``trainer.gradient_clip_val``, which manual
 optimisation must leave null, i.e. no clipping at all).
@@ -36,6 +39,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from lightning_modules.common.block_attention import check_impl, use_block_attention
 from lightning_modules.common.eval_hooks import TestIsValidation
 from lightning_modules.common.lm import CausalLMModule, _plain
 from lightning_modules.common.rl.advantages import batch_normalize, compute_advantages
@@ -85,8 +89,9 @@ class RLModule(TestIsValidation, CausalLMModule):
                  beta: float = 0.0, max_grad_norm: float | None = 1.0, warmup: Mapping[str, Any] | None = None,
                  val_max_new_tokens: int | None = None, measure_activations: bool = False, packing: bool = False,
                  reward: Callable | None = None,
-                 advantage_batch_norm: bool = False, loss_type: str = "ppo"):
+                 advantage_batch_norm: bool = False, loss_type: str = "ppo", attention_impl: str = "auto"):
         super().__init__(backbone, optimizer, scheduler, weight_decay)
+        self.attention_impl = check_impl(attention_impl)
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"model.loss_type={loss_type!r}: choose one of {', '.join(LOSS_TYPES)}")
         self.loss_type = loss_type
@@ -119,8 +124,10 @@ class RLModule(TestIsValidation, CausalLMModule):
             from lightning_modules.common.rl.warmup import warmup_dir
 
             warmup = {**self.warmup, **self.held_out_fractions()}
-            return build_backbone({**self.backbone_spec, "pretrained": str(warmup_dir(self.backbone_spec, warmup))})
-        return super().build_model()
+            model = build_backbone({**self.backbone_spec, "pretrained": str(warmup_dir(self.backbone_spec, warmup))})
+        else:
+            model = super().build_model()
+        return use_block_attention(model, self.attention_impl)
 
     @classmethod
     def preflight_model(cls, model_cfg: Mapping[str, Any], backbone):
