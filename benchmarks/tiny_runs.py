@@ -7,7 +7,7 @@ log dir; its ``metrics.json`` (the runner's one summary: best validation metric,
 one experiment again replaces only its own line.
 
     python -m benchmarks.tiny_runs hici_tiny longlora_tiny        # these two, one after the other
-    python -m benchmarks.tiny_runs --paper watersic               # every tiny experiment of a paper (README table)
+    python -m benchmarks.tiny_runs --paper watersic               # every tiny experiment of a paper (READMEs' tables)
 """
 from __future__ import annotations
 
@@ -28,9 +28,10 @@ TINY = ROOT / "benchmarks" / "results" / "tiny"
 _ROW = re.compile(r"^\| `([\w.-]+)` \| ([\w_]+)[^|]*\| tiny \|", re.M)
 
 
-def tiny_experiments(readme: Path = ROOT / "README.md") -> dict[str, str]:
-    """{experiment: paper} for every tiny experiment in the README's table."""
-    return {m.group(1): m.group(2) for m in _ROW.finditer(readme.read_text())}
+def tiny_experiments(root: Path = ROOT) -> dict[str, str]:
+    """{experiment: paper} for every tiny experiment in the READMEs' tables (the top one and each paper's)."""
+    readmes = [root / "README.md", *sorted((root / "lightning_modules").glob("*/README.md"))]
+    return {m.group(1): m.group(2) for p in readmes for m in _ROW.finditer(p.read_text())}
 
 
 def run_one(experiment: str, paper: str, extra: list[str] = (), out_dir: Path = TINY) -> dict:

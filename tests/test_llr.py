@@ -407,7 +407,7 @@ def test_llr_tiny_smoke_and_exact_resume(tmp_path):
     checkpoint (mid-ramp, with recomputes still to come) ends with exactly the rates of the straight run."""
     from tests.helpers import run_experiment
 
-    common = ["debug=smoke", "lightning_modules.llr.callback.every=4", "lightning_modules.llr.callback.ramp_steps=3", "lightning_modules.llr.callback.ratio=0.8"]
+    common = ["debug=smoke", "callbacks.llr.every=4", "callbacks.llr.ramp_steps=3", "callbacks.llr.ratio=0.8"]
     mid = ["+callbacks.mid._target_=lightning.pytorch.callbacks.ModelCheckpoint", f"+callbacks.mid.dirpath={tmp_path}/mid",
            "+callbacks.mid.every_n_train_steps=9", "+callbacks.mid.save_top_k=-1", "+callbacks.mid.filename='s{step}'",
            "+callbacks.mid.auto_insert_metric_name=false"]

@@ -196,9 +196,9 @@ class LongAlpacaDataModule(TextDataModule):
                  pad_multiple: int = 64, **kw):
         kw.setdefault("val_fraction", 0.01)
         kw.setdefault("test_fraction", 0.01)
-        super().__init__(tokenizer, source="files", files=files, seq_len=seq_len, **kw)
-        if "{instruction}" not in template:
+        if "{instruction}" not in template:  # checked first: a wrong template is wrong whatever the files
             raise ValueError(f"data.template={template!r} must contain {{instruction}}")
+        super().__init__(tokenizer, source="files", files=files, seq_len=seq_len, **kw)
         self.template, self.pad_multiple = template, pad_multiple
 
     def records(self) -> list[dict]:
