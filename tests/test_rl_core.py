@@ -118,6 +118,42 @@ def test_left_padding_and_truncation_give_exact_logprobs():
             torch.testing.assert_close(response_logprobs(model, full_ids, full_mask, P, C), full[:, :C], atol=1e-6, rtol=0)
 
 
+def test_buffers_stay_float32_under_lightnings_bf16_true():
+    """Lightning's bf16-true sets the default dtype to bf16 around each step (ENVIRONMENT.md). The core's buffers
+    made inside a step keep float32 there (issue 37: batched_logprobs' bare torch.zeros made the first rlkv update
+    raise 'Index put requires the source and destination dtypes match'), and their values equal fp32's."""
+    from lightning.pytorch.plugins.precision import HalfPrecision
+
+    from lightning_modules.common.kv_press import Random
+    from lightning_modules.common.rl.advantages import scale_rewards, segment_gae
+    from lightning_modules.common.rl.rollouts import Rollouts, batched_logprobs
+    from lightning_modules.common.rl.scorers import ExactMatch
+    from lightning_modules.hista.hista import HistaConfig, hista_values
+
+    model = tiny_policy().to(torch.bfloat16)
+    ids, mask = left_pad([[3, 4, 5], [6, 7]], pad_id=1)
+    resp = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 1]])
+    rmask = response_mask_from(resp, 0)
+    ro = Rollouts(torch.cat([ids, resp], 1), torch.cat([mask, rmask.long()], 1), ids.shape[1], rmask, 1)
+    with torch.no_grad():
+        want = response_logprobs(model, ro.input_ids, ro.attention_mask, ro.prompt_len, 4)
+    keys = torch.zeros(1, 2, 64, 4, dtype=torch.bfloat16)
+    with HalfPrecision("bf16-true").forward_context():
+        assert torch.get_default_dtype() == torch.bfloat16
+        logp, hidden = batched_logprobs(model, ro, ro.lengths, micro_batch_size=1, return_hidden=True)
+        rewards = ExactMatch()(["", ""], ["#### 2", "#### 3"], ["2", "2"])
+        adv = scale_rewards(torch.tensor([0.5, -0.5], dtype=torch.float32), rewards, group_size=1)
+        gae = segment_gae([0.25, 1.0], [0, 3], T=4)
+        chains = hista_values([torch.randn(5, 3, dtype=torch.float32)] * 2, [[0, 4]] * 2, rewards,
+                              HistaConfig(mean_window=1, min_interval=4))
+        scores = Random().score(None, None, keys, keys, {})
+    assert logp.dtype == rewards.dtype == adv.dtype == gae.dtype == chains[0].dtype == scores.dtype == torch.float32
+    assert hidden.dtype == torch.bfloat16  # states keep the model's dtype
+    torch.testing.assert_close(logp, want * rmask, atol=0, rtol=0)
+    assert rewards.tolist() == [1.0, 0.0] and gae.tolist() == [0.75, 0.75, 0.75, 0.0]
+    assert len(torch.unique(scores)) > 100  # float32 uniforms, not bf16's few hundred values with ties
+
+
 def test_verifiable_problems_are_correct_and_files_load(tmp_path, tiny_tokenizer):
     from datamodules.verifiable import VerifiableDataModule, generate_problems, load_problems
 

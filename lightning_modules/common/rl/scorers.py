@@ -25,7 +25,7 @@ class ExactMatch:
     metric: str = "accuracy"
 
     def __call__(self, prompts: list[str], completions: list[str], answers: list[str], device=None) -> torch.Tensor:
-        return torch.tensor([exact_match_reward(c, a) for c, a in zip(completions, answers)])
+        return torch.tensor([exact_match_reward(c, a) for c, a in zip(completions, answers)], dtype=torch.float32)
 
 
 @dataclass
