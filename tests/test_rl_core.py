@@ -93,6 +93,61 @@ def test_exact_match_reward():
     assert exact_match_reward("#### -7", "7") == 0.0 and exact_match_reward("#### 6.50", "6.5") == 1.0
 
 
+# (completion, gold as stored, reward): issue 37's planted pairs; the exact-match path scored the first 0 and the
+# second 1 (the bare gold \frac{1}{2} was reduced to its last number, 2)
+MATH_PAIRS = [
+    ("so \\boxed{\\frac{1}{2}}", "\\frac{1}{2}", 1.0),
+    ("so \\boxed{2}", "\\frac{1}{2}", 0.0),
+    ("The answer is 0.5", "\\frac{1}{2}", 1.0),
+    ("\\boxed{\\dfrac12}", "\\frac{1}{2}", 1.0),
+    ("\\boxed{(1,2)}", "(1, 2)", 1.0),
+    ("\\boxed{2}", "(1, 2)", 0.0),
+    ("\\boxed{(2, 1)}", "(1, 2)", 0.0),
+    ("\\boxed{1 + x^2}", "x^2+1", 1.0),
+    ("\\boxed{1}", "x^2+1", 0.0),
+    ("\\boxed{\\sqrt{18}}", "3\\sqrt{2}", 1.0),
+    ("\\boxed{2}", "3\\sqrt{2}", 0.0),
+    ("12 + 30 = 42\n#### 42", "42", 1.0),
+    ("#### 1,000", "1000", 1.0),
+    ("\\boxed{\\frac{1}{2}}", "half of it, so \\boxed{0.5}", 1.0),  # a gold solution: its boxed answer
+]
+
+
+@pytest.mark.parametrize("completion,gold,want", MATH_PAIRS)
+def test_math_equivalence_reward_on_planted_pairs(completion, gold, want):
+    from lightning_modules.common.rl.rewards import math_equivalence_reward
+
+    assert math_equivalence_reward(completion, gold) == want
+
+
+def test_latex_gold_read_as_stored_and_scored_by_rlkvs_reward(tmp_path):
+    """DeepScaleR / MATH-500 store a bare LaTeX ``answer``: the data keeps it as stored and the paper-scale rlkv
+    reward (model.reward.compare=math) scores a boxed equivalent 1 and the number the old path read (its last
+    number) 0; the integer tiny tasks keep exact match."""
+    from hydra.utils import instantiate
+
+    from datamodules.verifiable import load_problems
+    from tests.helpers import compose
+
+    golds = ["\\frac{1}{2}", "3\\sqrt{2}", "(1, 2)", "x^2+1", "\\text{(C)}"]
+    f = tmp_path / "deepscaler.jsonl"
+    f.write_text("".join(json.dumps({"problem": f"p{i}", "answer": g, "solution": "long text 7"}) + "\n"
+                         for i, g in enumerate(golds)))
+    problems = load_problems("math", str(f), "problem", "answer")
+    assert [p["answer"] for p in problems] == golds
+    for exp in ("rlkv_r1_llama8b", "hista_qwen25_3b", "sveb_qwen25_3b"):
+        reward = instantiate(compose(exp).model.reward)
+        answers = [p["answer"] for p in problems]
+        right = ["\\boxed{0.5}", "\\boxed{\\sqrt{18}}", "\\boxed{(1,2)}", "\\boxed{1+x^2}", "\\boxed{\\text{(C)}}"]
+        wrong = ["\\boxed{2}", "\\boxed{2}", "\\boxed{2}", "\\boxed{1}", "\\boxed{\\text{(D)}}"]
+        assert reward([""] * 5, right, answers).tolist() == [1.0] * 5, exp
+        assert reward([""] * 5, wrong, answers).tolist() == [0.0] * 5, exp
+    tiny = instantiate(compose("rlkv_tiny").model.reward)
+    assert tiny.compare == "exact" and tiny([""] * 2, ["#### 7", "#### 8"], ["7", "7"]).tolist() == [1.0, 0.0]
+    with pytest.raises(Exception, match="model.reward.compare='sympy': choose exact"):  # hydra wraps the ValueError
+        instantiate(compose("rlkv_tiny", ["model.reward.compare=sympy"]).model.reward)
+
+
 def test_response_mask_stops_after_first_eos():
     resp = torch.tensor([[5, 6, 0, 7, 0], [5, 5, 5, 5, 5], [0, 3, 3, 3, 3]])
     assert response_mask_from(resp, 0).tolist() == [[1, 1, 1, 0, 0], [1] * 5, [1, 0, 0, 0, 0]]

@@ -4,6 +4,10 @@ build gold answers) and by the rewards (to score completions).
 ``extract_answer``: the text after the last ``####`` if there is one, else the last ``\\boxed{...}``, else the last
 number in the text; numbers are normalised (thousands separators, ``$``, trailing ``.0`` and a final period
 dropped) so ``1,000.00`` and ``1000`` match.
+
+``gold_answer``: a gold field as the data stores it. A solution that states its answer (GSM8K ``#### n``, MATH
+``\\boxed{}``) is extracted; a bare answer (DeepScaleR's and MATH-500's ``answer``: ``\\frac{1}{2}``, ``(1, 2)``,
+``x^2+1``) is read as stored, never reduced to its last number.
 """
 from __future__ import annotations
 
@@ -52,3 +56,16 @@ def extract_answer(text: str) -> str | None:
         return normalize_number(boxed)
     nums = _NUMBER.findall(text)
     return normalize_number(nums[-1]) if nums else None
+
+
+def gold_answer(text: str) -> str | None:
+    """The gold answer of a stored field, as LaTeX text: the number after ``####`` (GSM8K), else the last
+    ``\\boxed{}``'s content as written (MATH solutions), else the whole field as stored (a bare answer). A plain
+    number is normalised (``1,000`` -> ``1000``); anything else is only stripped (``(1, 2)`` keeps its comma).
+    None when empty."""
+    if "####" in text:
+        return extract_answer(text)
+    boxed = last_boxed(text)
+    answer = (boxed if boxed is not None else text).strip()
+    number = normalize_number(answer)
+    return (number if _NUMBER.fullmatch(number) else answer) or None
