@@ -68,6 +68,14 @@ def test_experiment_composes_and_resolves(name, tmp_path):
     assert plain["task"] in TASKS
     assert isinstance(plain["seed"], int)
     assert plain["backbone"]["family"] and "config" in plain["backbone"]
+    if plain["task"] in ("fit", "fit_test"):
+        # what Lightning monitors during fit (the checkpoint's optimized_metric, early stopping) is logged there:
+        # val/ or train/, never test/ (issue 37: real_vqa_7b monitored test/answer_accuracy, missing-monitor error
+        # at its first validation)
+        for key, cb in (plain.get("callbacks") or {}).items():
+            monitor = cb.get("monitor") if isinstance(cb, dict) else None
+            assert monitor is None or monitor.split("/")[0] in ("val", "train"), \
+                f"{name}: callbacks.{key}.monitor={monitor} is not logged during fit (task={plain['task']}): monitor a val/ metric"
     # every class or function the config names imports
     found = targets(cfg)
     assert any(p == "model" for p, _ in found), f"{name}: model has no _target_"
