@@ -3,8 +3,10 @@
 Tasks (``data.task``):
 - ``arithmetic``: multi-digit ``a + b`` / ``a - b`` / ``a * b`` from a seed; solution ``"a + b = c\\n#### c"``.
 - ``word_problems``: short GSM8K-style word problems from templates and a seed, same solution format.
-- ``gsm8k``: local GSM8K files (jsonl/parquet with ``question`` / ``answer``; the answer holds ``#### n``).
-- ``math``: local MATH files (``problem`` / ``solution``; the answer is the last ``\\boxed{}``), or a file with a
+- ``gsm8k``: local GSM8K files (jsonl/parquet with ``question`` / ``answer``; the answer holds ``#### n``;
+  MetaMathQA's ``query`` / ``response``, the answer after ``The answer is:``, with data.question_field / answer_field).
+- ``math``: local MATH files (``problem`` / ``solution``; the answer is the last ``\\boxed{}``; MATH as released, a
+  folder of one-problem .json files, is read as it is: ``data.files=<MATH>/train``), or a file with a
   bare gold answer (DeepScaleR, MATH-500: ``data.answer_field=answer``), read as stored
   (``datamodules.common.answers.gold_answer``; score such LaTeX answers with ``model.reward.compare=math``).
 

@@ -148,6 +148,36 @@ def test_latex_gold_read_as_stored_and_scored_by_rlkvs_reward(tmp_path):
         instantiate(compose("rlkv_tiny", ["model.reward.compare=sympy"]).model.reward)
 
 
+def test_math_as_released_and_metamathqa_are_read_in_their_own_layouts(tmp_path):
+    """Issue 37: MATH as released is a folder tree of one-problem .json files ({problem, level, type, solution}, the
+    answer in the solution's last boxed), which the loader refused; MetaMathQA's query / response states its answer
+    after 'The answer is:', which extraction read as the last number."""
+    from datamodules.verifiable import load_problems
+
+    math_dir = tmp_path / "MATH" / "train"
+    records = {"algebra/1.json": ("What is half of one?", "Half of one is $\\boxed{\\frac{1}{2}}$."),
+               "algebra/20.json": ("Solve for x.", "So $x = \\boxed{(1, 2)}$, not $3$."),
+               "geometry/3.json": ("Side of a square of area 18?", "It is $\\boxed{3\\sqrt{2}}$.")}
+    for name, (problem, solution) in records.items():
+        (math_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (math_dir / name).write_text(json.dumps({"problem": problem, "level": "Level 2", "type": name.split("/")[0],
+                                                 "solution": solution}, indent=4))
+    (math_dir / ".DS_Store").write_text("not data")
+    got = {p["question"]: p["answer"] for p in load_problems("math", str(math_dir))}
+    assert got == {"What is half of one?": "\\frac{1}{2}", "Solve for x.": "(1, 2)",
+                   "Side of a square of area 18?": "3\\sqrt{2}"}
+    meta = tmp_path / "MetaMathQA-395K.json"  # released as one JSON array
+    meta.write_text(json.dumps([
+        {"query": "What is 3 times 6?", "response": "3 times 6 is 18.\nThe answer is: 18", "type": "GSM_Rephrased",
+         "original_question": "?"},
+        {"query": "Simplify 2/4.", "response": "Divide by 2: $\\frac{1}{2}$ of 1 and 7 more.\nThe answer is: \\frac{1}{2}",
+         "type": "MATH_AnsAug", "original_question": "?"}]))
+    got = load_problems("gsm8k", str(meta), "query", "response")
+    assert [p["answer"] for p in got] == ["18", "\\frac{1}{2}"]
+    assert extract_answer("7 more.\nThe answer is: 1,000") == "1000"
+    assert exact_match_reward("So it is 18.\nThe answer is: 18", "18") == 1.0
+
+
 def test_response_mask_stops_after_first_eos():
     resp = torch.tensor([[5, 6, 0, 7, 0], [5, 5, 5, 5, 5], [0, 3, 3, 3, 3]])
     assert response_mask_from(resp, 0).tolist() == [[1, 1, 1, 0, 0], [1] * 5, [1, 0, 0, 0, 0]]

@@ -55,16 +55,39 @@ def _kind(path: Path) -> str:
     raise ValueError(f"{path}: unknown data file type {suffix!r}; use .txt, .jsonl/.json or .parquet")
 
 
-def load_local(files: str | Iterable[str], field: str | None = "text", split: str = "train"):
-    """A `datasets.Dataset` from local text / jsonl / parquet files (globs allowed), checked line by line."""
+def data_paths(files: str | Path | Iterable[str]) -> list[Path]:
+    """The files of ``files``: paths, globs or folders. A folder stands for every data file under it, recursively: a
+    dataset as released, e.g. MATH's ``train/<subject>/<n>.json`` (one problem a file)."""
     import glob
 
+    patterns = [files] if isinstance(files, (str, Path)) else list(files)
+    out = []
+    for pat in patterns:
+        for p in map(Path, sorted(glob.glob(str(Path(pat).expanduser())))):
+            out += sorted(q for q in p.rglob("*") if q.is_file() and _is_data(q)) if p.is_dir() else [p]
+    return out
+
+
+def _is_data(path: Path) -> bool:
+    if path.name.startswith("."):
+        return False
+    try:
+        _kind(path)
+    except ValueError:
+        return False
+    return True
+
+
+def load_local(files: str | Iterable[str], field: str | None = "text", split: str = "train"):
+    """A `datasets.Dataset` from local text / jsonl / json / parquet files (globs and folders allowed, see
+    :func:`data_paths`; a .json file holds one record, as MATH's, or a list of them), checked line by line."""
     import datasets
 
     patterns = [files] if isinstance(files, str) else list(files)
-    paths = [Path(p) for pat in patterns for p in sorted(glob.glob(str(Path(pat).expanduser())))]
+    paths = data_paths(patterns)
     if not paths:
-        raise FileNotFoundError(f"no data files match {patterns}: put your files there or set data.files=<path or glob>")
+        raise FileNotFoundError(f"no data files match {patterns}: put your files there or set data.files=<path, glob "
+                                "or folder>")
     kinds = {_kind(p) for p in paths}
     if len(kinds) > 1:
         raise ValueError(f"data.files mixes file types {sorted(kinds)}; give one kind at a time")
