@@ -129,12 +129,13 @@ def _column(ds, field: Field, files, hint: str) -> list:
     """Per record, the value of the first of ``field``'s names it holds (a merged file leaves the others None)."""
     names = [n for n in _names(field) if n in ds.column_names]
     if not names:
-        raise MalformedRecordError(f"{files}: no column {_shown(field)} (have {ds.column_names}){'; ' + hint if hint else ''}")
+        raise MalformedRecordError(f"{files}: no column {_shown(field)} (have {ds.column_names})"
+                                   f"{'; ' + hint if hint else ''}")
     return [next((v for v in row if v is not None), None) for row in zip(*(ds[n] for n in names))]
 
 
-def load_pairs(files, prompt_field: Field = "prompt", response_field: Field = "response", input_field: str | None = None,
-               template: str = "plain", hint: str = "") -> list[Pair]:
+def load_pairs(files, prompt_field: Field = "prompt", response_field: Field = "response",
+               input_field: str | None = None, template: str = "plain", hint: str = "") -> list[Pair]:
     """Pairs from local jsonl / json / parquet files (globs, folders); a field may be alternatives (``_names``);
     ``hint`` ends the missing-field error (which config key to set)."""
     from datamodules.common.loaders import load_local

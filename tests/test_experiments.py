@@ -74,8 +74,9 @@ def test_experiment_composes_and_resolves(name, tmp_path):
         # at its first validation)
         for key, cb in (plain.get("callbacks") or {}).items():
             monitor = cb.get("monitor") if isinstance(cb, dict) else None
-            assert monitor is None or monitor.split("/")[0] in ("val", "train"), \
-                f"{name}: callbacks.{key}.monitor={monitor} is not logged during fit (task={plain['task']}): monitor a val/ metric"
+            assert monitor is None or monitor.split("/")[0] in ("val", "train"), (
+                f"{name}: callbacks.{key}.monitor={monitor} is not logged during fit (task={plain['task']}): "
+                "monitor a val/ metric")
     # every class or function the config names imports
     found = targets(cfg)
     assert any(p == "model" for p, _ in found), f"{name}: model has no _target_"
@@ -113,10 +114,12 @@ def test_trainer_cpu_on_the_command_line_wins():
     pinned = []
     for path in sorted((ROOT / "conf" / "experiment").rglob("*.yaml")):
         trainer = (yaml.safe_load(path.read_text()) or {}).get("trainer") or {}
-        pinned += [f"{path.relative_to(ROOT)}: trainer.{k}" for k in ("accelerator", "devices", "num_nodes") if k in trainer]
+        pinned += [f"{path.relative_to(ROOT)}: trainer.{k}" for k in ("accelerator", "devices", "num_nodes")
+                   if k in trainer]
     assert not pinned, f"set gpus_per_node / nodes instead (trainer=cpu must win): {pinned}"
     for name, trainer, gpus in (("rlkv_r1_llama8b", "ddp_gpu", (2, 1)), ("real_vqa_qwen2vl_7b", "deepspeed_zero2", (8, 1)),
-                                ("infolaw_llama_7b", "deepspeed_zero3", (8, 16)), ("llr_llama_1b_zero_shot", "gpu", (1, 1))):
+                                ("infolaw_llama_7b", "deepspeed_zero3", (8, 16)),
+                                ("llr_llama_1b_zero_shot", "gpu", (1, 1))):
         paper = compose(name)
         assert paper.hydra.runtime.choices.trainer == trainer
         assert (paper.trainer.accelerator, paper.trainer.devices, paper.trainer.num_nodes) == ("gpu", *gpus)

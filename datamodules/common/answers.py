@@ -2,12 +2,12 @@
 build gold answers) and by the rewards (to score completions).
 
 ``extract_answer``: the text after the last ``####`` if there is one, else after the last ``The answer is:``
-(MetaMathQA's responses), else the last ``\\boxed{...}``, else the last number in the text; numbers are normalised (thousands separators, ``$``, trailing ``.0`` and a final period
-dropped) so ``1,000.00`` and ``1000`` match.
+(MetaMathQA's responses), else the last ``\\boxed{...}``, else the last number in the text; numbers are normalised
+(thousands separators, ``$``, trailing ``.0`` and a final period dropped) so ``1,000.00`` and ``1000`` match.
 
-``gold_answer``: a gold field as the data stores it. A solution that states its answer (GSM8K ``#### n``, MATH
-``\\boxed{}``) is extracted; a bare answer (DeepScaleR's and MATH-500's ``answer``: ``\\frac{1}{2}``, ``(1, 2)``,
-``x^2+1``) is read as stored, never reduced to its last number.
+``gold_answer``: a gold field as the data stores it. A solution that states its answer (GSM8K ``#### n``, MetaMathQA
+``The answer is: x``, MATH ``\\boxed{}``) is extracted; a bare answer (DeepScaleR's and MATH-500's ``answer``:
+``\\frac{1}{2}``, ``(1, 2)``, ``x^2+1``) is read as stored, never reduced to its last number.
 """
 from __future__ import annotations
 
@@ -69,10 +69,10 @@ def gold_answer(text: str) -> str | None:
     only stripped (``(1, 2)`` keeps its comma). None when empty."""
     if "####" in text:
         return extract_answer(text)
-    boxed = last_boxed(text)
     if STATED in text:
         answer = text.rsplit(STATED, 1)[1].strip().split("\n", 1)[0].strip()
     else:
+        boxed = last_boxed(text)
         answer = (boxed if boxed is not None else text).strip()
     number = normalize_number(answer)
     return (number if _NUMBER.fullmatch(number) else answer) or None
