@@ -239,6 +239,22 @@ def test_buffers_stay_float32_under_lightnings_bf16_true():
     assert len(torch.unique(scores)) > 100  # float32 uniforms, not bf16's few hundred values with ties
 
 
+@pytest.mark.slow
+def test_rlkv_and_sveb_run_under_bf16_true(tmp_path, tiny_lm_dir):
+    """The paper configs' precision end to end on the tiny model: two rlkv updates and SVEB's test batches under
+    trainer.precision=bf16-true (issue 37: the first update and the first SVEB test batch raised)."""
+    from tests.helpers import SMOKE_WARMUP, run_experiment
+
+    _, metrics = run_experiment("rlkv_tiny", tmp_path / "rlkv", overrides=(
+        "debug=smoke", "trainer.max_steps=2", "trainer.limit_val_batches=1", "data.n_val=4", "model.self_filter=4",
+        "trainer.precision=bf16-true", *SMOKE_WARMUP))
+    assert metrics["status"] == "ok" and metrics["global_step"] == 2 and math.isfinite(metrics["final"]["train/loss"])
+    _, metrics = run_experiment("sveb_tiny", tmp_path / "sveb", overrides=(
+        "debug=smoke", "data.n_test=2", "model.group_size=4", "model.mcs_num=2", "model.critic_problems=2",
+        "trainer.precision=bf16-true"))
+    assert metrics["status"] == "ok" and len(metrics["results"]["sveb"]["cases"]) == 2
+
+
 def test_verifiable_problems_are_correct_and_files_load(tmp_path, tiny_tokenizer):
     from datamodules.verifiable import VerifiableDataModule, generate_problems, load_problems
 
