@@ -96,6 +96,7 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(f"seed={seed!r} is not an integer — pass one, e.g. seed=1")
     _check_in_memory_tokens(cfg)
     tr = cfg.trainer
+    _check_nodes(tr)
     if str(tr.get("accelerator")) in ("gpu", "cuda"):
         import torch
 
@@ -125,6 +126,21 @@ def check_config(cfg: DictConfig) -> None:
     if ckpt and ckpt not in ("last", "best") and not Path(ckpt).exists():
         raise ConfigError(f"ckpt_path={ckpt!r} does not exist — pass an existing .ckpt, or ckpt_path=last to resume this run dir")
     _check_numbers(cfg, "")
+
+
+# Set where a multi-node launcher started this process (SLURM, torchrun / torchelastic, LSF, MPI, or a hand-set
+# NODE_RANK for Lightning's own environment); without one, every node is node 0 and waits for peers forever.
+MULTI_NODE_ENV = ("SLURM_NTASKS", "TORCHELASTIC_RUN_ID", "GROUP_RANK", "NODE_RANK", "LSB_JOBID", "OMPI_COMM_WORLD_SIZE",
+                  "PMI_SIZE")
+
+
+def _check_nodes(tr: DictConfig) -> None:
+    import os
+
+    nodes = tr.get("num_nodes") or 1
+    if isinstance(nodes, int) and nodes > 1 and not any(os.environ.get(v) for v in MULTI_NODE_ENV):
+        raise ConfigError(f"trainer.num_nodes={nodes} needs {nodes} nodes: launch with launcher=slurm, or set "
+                          "trainer.num_nodes=1")
 
 
 def _world_size(tr: DictConfig) -> int:

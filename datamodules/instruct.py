@@ -12,9 +12,11 @@ instemb / esr / real_vqa next.
   ``arithmetic`` and ``word_problems`` (``datamodules.verifiable``, prompt ``"Question: ...\\nAnswer:"``,
   response ``" " + solution``). A paper registers its own in its ``data.py`` on import; an unknown name first
   imports every paper ``data.py`` that registers generators, so a name resolves before its paper is imported.
-- **Files** (:func:`load_pairs`): jsonl / parquet through ``datamodules.common.loaders.load_local``; a jsonl record
-  missing a field fails with ``file:line``. The prompt text is ``prompt + " " + input`` when an input field is set
-  and non-empty (Alpaca-style records).
+- **Files** (:func:`load_pairs`): jsonl / json / parquet files, globs or folders through
+  ``datamodules.common.loaders.load_local``; a jsonl record missing a field fails with ``file:line``. A field may be
+  given as alternatives, the first a record holds wins (``[question, query]``: GSM8K's and MetaMathQA's names, so a
+  merged GSM8K + MetaMathQA file reads as it is). The prompt text is ``prompt + " " + input`` when an input field is
+  set and non-empty (Alpaca-style records).
 - :func:`sft_batch`: right-padded prompt + response + EOS, labels −100 on the prompt and the padding.
 - :func:`cycling_loader`: an endless iterator of batches over ``items[indices]``, reshuffled each pass (the
   release's safe loader: a random sampler cycled forever).
@@ -96,39 +98,58 @@ for _task in ("arithmetic", "word_problems"):
 
 # --- local files ---------------------------------------------------------------------------------
 def _paths(files) -> list[Path]:
-    import glob
+    from datamodules.common.loaders import expand_files
 
-    patterns = [files] if isinstance(files, (str, Path)) else list(files)
-    paths = [Path(p) for pat in patterns for p in sorted(glob.glob(str(Path(pat).expanduser())))]
-    if not paths:
-        raise FileNotFoundError(f"no data files match {patterns}: put your files there or set the path")
-    return paths
+    return expand_files(files, key="the files' path")
 
 
-def check_fields(files, fields: Sequence[str], hint: str = "") -> None:
-    """Every jsonl record has every field, else one line naming file:line and the field."""
+Field = str | Sequence[str]  # one name, or alternatives: the first a record holds wins
+
+
+def _names(field: Field) -> list[str]:
+    return [field] if isinstance(field, str) else list(field)
+
+
+def _shown(field: Field) -> str:
+    return " / ".join(repr(n) for n in _names(field))
+
+
+def check_fields(files, fields: Sequence[Field], hint: str = "") -> None:
+    """Every jsonl record has every field (one of its alternatives), else one line naming file:line and the field."""
     from datamodules.common.loaders import numbered_jsonl
 
     for path in _paths(files):
         if path.name.endswith((".jsonl", ".jsonl.gz")):
-            for _ in numbered_jsonl(path, fields, hint):
-                pass
+            for lineno, rec in numbered_jsonl(path, (), hint):
+                for f in fields:
+                    if not isinstance(rec, dict) or not any(n in rec for n in _names(f)):
+                        raise MalformedRecordError(f"{path}:{lineno}: record has no field {_shown(f)}"
+                                                   f"{'; ' + hint if hint else ''}")
 
 
-def load_pairs(files, prompt_field: str = "prompt", response_field: str = "response", input_field: str | None = None,
-               template: str = "plain", hint: str = "") -> list[Pair]:
-    """Pairs from local jsonl / parquet files; ``hint`` ends the missing-field error (which config key to set)."""
+def _column(ds, field: Field, files, hint: str) -> list:
+    """Per record, the value of the first of ``field``'s names it holds (a merged file leaves the others None)."""
+    names = [n for n in _names(field) if n in ds.column_names]
+    if not names:
+        raise MalformedRecordError(f"{files}: no column {_shown(field)} (have {ds.column_names})"
+                                   f"{'; ' + hint if hint else ''}")
+    return [next((v for v in row if v is not None), None) for row in zip(*(ds[n] for n in names))]
+
+
+def load_pairs(files, prompt_field: Field = "prompt", response_field: Field = "response",
+               input_field: str | None = None, template: str = "plain", hint: str = "") -> list[Pair]:
+    """Pairs from local jsonl / json / parquet files (globs, folders); a field may be alternatives (``_names``);
+    ``hint`` ends the missing-field error (which config key to set)."""
     from datamodules.common.loaders import load_local
 
     fields = [prompt_field, response_field]
-    check_fields(files, fields, hint or f"set the prompt/response field names ({prompt_field}, {response_field})")
+    check_fields(files, fields, hint or f"set the prompt/response field names ({_shown(prompt_field)}, "
+                                        f"{_shown(response_field)})")
     ds = load_local([str(p) for p in _paths(files)], field=None)
-    for f in fields:
-        if f not in ds.column_names:
-            raise MalformedRecordError(f"{files}: no column {f!r} (have {ds.column_names}){'; ' + hint if hint else ''}")
+    prompts, responses = (_column(ds, f, files, hint) for f in fields)
     extra = ds[input_field] if input_field and input_field in ds.column_names else [None] * len(ds)
     out = []
-    for p, r, x in zip(ds[prompt_field], ds[response_field], extra):
+    for p, r, x in zip(prompts, responses, extra):
         text = f"{p} {x}" if x else p
         out.append({"prompt": apply_template(template, text), "response": r, "instruction": text})
     return out

@@ -66,12 +66,17 @@ def suite_tokenizer(number_max: int = 1000):
     return word_tokenizer(vocabulary(number_max))
 
 
-def rule_induction_tokenizer(pretrained: str | None = None, number_max: int = 1000):
-    """The run's tokenizer: a pretrained backbone's own (tiny-mdlm, LLaDA, ...), else the suite's word tokenizer."""
-    if pretrained:
-        from datamodules.common.tokenizer import load_tokenizer
+def rule_induction_tokenizer(pretrained: str | None = None, number_max: int = 1000, mask_token_id: int | None = None):
+    """The run's tokenizer: a pretrained backbone's own (tiny-mdlm, LLaDA, ...), else the suite's word tokenizer.
 
-        return load_tokenizer(pretrained)
+    ``mask_token_id``: the backbone's ``diffusion.mask_token_id`` (null for a causal backbone), the one place the
+    [MASK] id is set; a pretrained tokenizer gets that token declared as its mask token (LLaDA's hub tokenizer holds
+    ``<|mdm_mask|>`` without declaring it), or is refused in one line when it declares another."""
+    if pretrained:
+        from datamodules.common.tokenizer import declare_mask_token, load_tokenizer
+
+        tok = load_tokenizer(pretrained)
+        return tok if mask_token_id is None else declare_mask_token(tok, mask_token_id)
     return suite_tokenizer(number_max)
 
 

@@ -3,8 +3,12 @@
 Tasks (``data.task``):
 - ``arithmetic``: multi-digit ``a + b`` / ``a - b`` / ``a * b`` from a seed; solution ``"a + b = c\\n#### c"``.
 - ``word_problems``: short GSM8K-style word problems from templates and a seed, same solution format.
-- ``gsm8k``: local GSM8K files (jsonl/parquet with ``question`` / ``answer``; the answer holds ``#### n``).
-- ``math``: local MATH files (``problem`` / ``solution``; the answer is the last ``\\boxed{}``).
+- ``gsm8k``: local GSM8K files (jsonl/parquet with ``question`` / ``answer``; the answer holds ``#### n``;
+  MetaMathQA's ``query`` / ``response``, the answer after ``The answer is:``, with data.question_field / answer_field).
+- ``math``: local MATH files (``problem`` / ``solution``; the answer is the last ``\\boxed{}``; MATH as released, a
+  folder of one-problem .json files, is read as it is: ``data.files=<MATH>/train``), or a file with a
+  bare gold answer (DeepScaleR, MATH-500: ``data.answer_field=answer``), read as stored
+  (``datamodules.common.answers.gold_answer``; score such LaTeX answers with ``model.reward.compare=math``).
 
 Three disjoint splits by a hash of the problem (``datamodules.common.splits``): a generated problem's key is its
 computation (``"3 + 4"``, whatever the names in a word problem), a file record's is its question. No val or test
@@ -26,7 +30,7 @@ import random
 import lightning as L
 from torch.utils.data import DataLoader, Dataset
 
-from datamodules.common.answers import extract_answer
+from datamodules.common.answers import gold_answer
 from datamodules.common.cache import stable_hash
 from datamodules.common.sampling import StepStreamSampler
 from datamodules.common.splits import SPLITS, check_fractions, split_of
@@ -94,7 +98,8 @@ def generate_problems(task: str, n: int, seed: int, digits: int = 2, operations=
 
 
 def load_problems(task: str, files, question_field: str | None = None, answer_field: str | None = None) -> list[dict]:
-    """GSM8K / MATH records from local files (``datasets`` via ``load_local``), answers extracted as for rewards."""
+    """GSM8K / MATH records from local files (``datasets`` via ``load_local``): the gold answer extracted from a
+    solution that marks it (``####``, ``\\boxed{}``), a bare answer field read as stored (``gold_answer``)."""
     from datamodules.common.loaders import load_local
 
     if not files:
@@ -106,7 +111,7 @@ def load_problems(task: str, files, question_field: str | None = None, answer_fi
         raise ValueError(f"{files}: no column {af!r} (have {ds.column_names}); set data.answer_field")
     out = []
     for q, sol in zip(ds[qf], ds[af]):
-        ans = extract_answer(sol)
+        ans = gold_answer(str(sol))
         if ans is not None:
             out.append({"question": q, "solution": sol, "answer": ans})
     return out

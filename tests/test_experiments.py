@@ -68,6 +68,15 @@ def test_experiment_composes_and_resolves(name, tmp_path):
     assert plain["task"] in TASKS
     assert isinstance(plain["seed"], int)
     assert plain["backbone"]["family"] and "config" in plain["backbone"]
+    if plain["task"] in ("fit", "fit_test"):
+        # what Lightning monitors during fit (the checkpoint's optimized_metric, early stopping) is logged there:
+        # val/ or train/, never test/ (issue 37: real_vqa_7b monitored test/answer_accuracy, missing-monitor error
+        # at its first validation)
+        for key, cb in (plain.get("callbacks") or {}).items():
+            monitor = cb.get("monitor") if isinstance(cb, dict) else None
+            assert monitor is None or monitor.split("/")[0] in ("val", "train"), (
+                f"{name}: callbacks.{key}.monitor={monitor} is not logged during fit (task={plain['task']}): "
+                "monitor a val/ metric")
     # every class or function the config names imports
     found = targets(cfg)
     assert any(p == "model" for p, _ in found), f"{name}: model has no _target_"
@@ -91,6 +100,52 @@ def test_experiment_composes_and_resolves(name, tmp_path):
         return
     check_config(cfg)  # a tiny experiment must pass the runner's checks here (CPU, no hub)
     assert cfg.trainer.accelerator == "cpu", f"{name}: a tiny experiment runs on trainer=cpu"
+
+
+def test_trainer_cpu_on_the_command_line_wins():
+    """Issue 37: paper experiments pinned trainer.accelerator=gpu and their device counts, so `trainer=cpu` was
+    refused. Experiments now pick a trainer (override /trainer: ddp_gpu | deepspeed_* | gpu) and state their GPU
+    counts as top-level gpus_per_node / nodes, which only the GPU trainers read: no experiment sets those trainer
+    keys, and with trainer=cpu every GPU trainer's experiment is one CPU process that passes the runner's checks."""
+    import yaml
+
+    from runner import check_config
+
+    pinned = []
+    for path in sorted((ROOT / "conf" / "experiment").rglob("*.yaml")):
+        trainer = (yaml.safe_load(path.read_text()) or {}).get("trainer") or {}
+        pinned += [f"{path.relative_to(ROOT)}: trainer.{k}" for k in ("accelerator", "devices", "num_nodes")
+                   if k in trainer]
+    assert not pinned, f"set gpus_per_node / nodes instead (trainer=cpu must win): {pinned}"
+    for name, trainer, gpus in (("rlkv_r1_llama8b", "ddp_gpu", (2, 1)), ("real_vqa_qwen2vl_7b", "deepspeed_zero2", (8, 1)),
+                                ("infolaw_llama_7b", "deepspeed_zero3", (8, 16)),
+                                ("llr_llama_1b_zero_shot", "gpu", (1, 1))):
+        paper = compose(name)
+        assert paper.hydra.runtime.choices.trainer == trainer
+        assert (paper.trainer.accelerator, paper.trainer.devices, paper.trainer.num_nodes) == ("gpu", *gpus)
+        cpu = compose(name, ["trainer=cpu"])
+        assert (cpu.trainer.accelerator, cpu.trainer.devices, cpu.trainer.num_nodes) == ("cpu", 1, 1)
+        assert "strategy" not in cpu.trainer
+        check_config(cpu)
+
+
+def test_a_multi_node_run_without_a_launcher_fails_fast(monkeypatch):
+    """Issue 37: growth_olmoe_* (4 nodes) started alone waited for its peers forever; it stops in one line now."""
+    from runner import ConfigError, check_config
+
+    for var in [v for v in os.environ if re.match(r"SLURM_|TORCHELASTIC_|GROUP_RANK|NODE_RANK|LSB_|OMPI_|PMI_", v)]:
+        monkeypatch.delenv(var)  # as started by hand on one node
+    cfg = compose("growth_olmoe_depth")
+    with pytest.raises(ConfigError) as info:
+        check_config(cfg)
+    assert str(info.value) == ("trainer.num_nodes=4 needs 4 nodes: launch with launcher=slurm, or set "
+                               "trainer.num_nodes=1")
+    for fix in (["trainer.num_nodes=1"], ["nodes=1"]):
+        with pytest.raises(ConfigError, match="no CUDA GPU"):  # past the node check, on to this CPU machine's next
+            check_config(compose("growth_olmoe_depth", fix))
+    monkeypatch.setenv("SLURM_NTASKS", "32")  # started by SLURM on its 4 nodes
+    with pytest.raises(ConfigError, match="no CUDA GPU"):
+        check_config(cfg)
 
 
 def test_seed_override_changes_run_dir():

@@ -40,6 +40,32 @@ def test_load_pairs_and_missing_field(tmp_path):
         apply_template("no placeholder", "x")
 
 
+def test_a_merged_gsm8k_metamathqa_file_reads_through_spards_fields(tmp_path):
+    """SPARD's training file is GSM8K + MetaMathQA: GSM8K's question / answer and MetaMathQA's query / response
+    (issue 37: it was read as question / answer only). The paper config's field alternatives read both layouts,
+    and a record with neither fails with file:line naming the alternatives."""
+    from tests.helpers import compose
+
+    files = compose("spard_qwen25_7b_gsm8k").data.files
+    fields = (list(files.prompt_field), list(files.response_field))
+    merged = tmp_path / "train.jsonl"
+    merged.write_text(json.dumps({"question": "2 + 3?", "answer": "2 + 3 = 5\n#### 5"}) + "\n"
+                      + json.dumps({"query": "3 x 6?", "response": "3 x 6 = 18\nThe answer is: 18",
+                                    "type": "GSM_Rephrased", "original_question": "3 x 6?"}) + "\n")
+    pairs = load_pairs(merged, *fields)
+    assert [(p["instruction"], p["response"]) for p in pairs] == [("2 + 3?", "2 + 3 = 5\n#### 5"),
+                                                                   ("3 x 6?", "3 x 6 = 18\nThe answer is: 18")]
+    metamath = tmp_path / "metamath" / "MetaMathQA-395K.json"  # released as one JSON array, read from its folder
+    metamath.parent.mkdir()
+    metamath.write_text(json.dumps([{"query": "1 + 1?", "response": "The answer is: 2", "type": "GSM_AnsAug",
+                                     "original_question": "1 + 1?"}]))
+    assert [p["response"] for p in load_pairs(metamath.parent, *fields)] == ["The answer is: 2"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"query": "a", "response": "b"}) + "\n" + json.dumps({"prompt": "c", "answer": "d"}) + "\n")
+    with pytest.raises(ValueError, match=rf"{bad}:2: record has no field 'question' / 'query'"):
+        load_pairs(bad, *fields)
+
+
 def test_cycling_loader_covers_subset_each_pass():
     items = list(range(100))
     it = cycling_loader(items, 3, indices=[5, 7, 9, 11, 13, 15], seed=1)

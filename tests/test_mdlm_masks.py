@@ -127,6 +127,42 @@ def test_bad_input_names_the_fix():
         RuleInductionDataModule(corpus_tokenizer(2048))
 
 
+def test_a_hub_mask_token_comes_from_the_backbones_diffusion_mask_token_id(tmp_path, tiny_tokenizer):
+    """LLaDA's hub tokenizer holds ``<|mdm_mask|>`` as an added token without declaring it its mask token (issue 37:
+    mdlm_masks_llada_8b* and dllmquant_llada_8b stopped at the datamodule's construction, 'the tokenizer has no mask
+    token'). The id is set once, backbone.diffusion.mask_token_id, and declared on the tokenizer; the module's
+    check then agrees, and a tokenizer declaring another id is refused in one line."""
+    import copy
+    from types import SimpleNamespace
+
+    from hydra.utils import instantiate
+    from transformers import AutoTokenizer
+
+    from tests.helpers import compose
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.add_tokens(["<|mdm_mask|>"])
+    mask = tok.convert_tokens_to_ids("<|mdm_mask|>")
+    tok.save_pretrained(str(tmp_path / "llada"))
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "llada")).mask_token_id is None  # as LLaDA's
+    overrides = [f"backbone.pretrained={tmp_path / 'llada'}", f"backbone.diffusion.mask_token_id={mask}"]
+    for exp in ("mdlm_masks_llada_8b", "mdlm_masks_llada_8b_instruct", "dllmquant_llada_8b"):
+        cfg = compose(exp, overrides)
+        dm = instantiate(cfg.data, _convert_="all")
+        assert (dm.tokenizer.mask_token, dm.tokenizer.mask_token_id) == ("<|mdm_mask|>", mask), exp
+    module = instantiate(compose("mdlm_masks_llada_8b", overrides).model, _convert_="all")
+    module._trainer = SimpleNamespace(datamodule=dm)
+    module.setup("fit")  # the module's own check: the tokenizer's mask id is the backbone's
+    assert module.study_input([5, 6], 1)[0][2] == mask
+    from datamodules.common.tokenizer import declare_mask_token
+
+    with pytest.raises(ValueError, match=f"backbone.diffusion.mask_token_id=5 but the tokenizer's mask token "
+                                         f"'<\\|mdm_mask\\|>' is id {mask}"):
+        declare_mask_token(dm.tokenizer, 5)
+    with pytest.raises(ValueError, match="backbone.diffusion.mask_token_id=126336 is not a token of this tokenizer"):
+        declare_mask_token(copy.deepcopy(tiny_tokenizer), 126336)
+
+
 def test_a_causal_backbone_cannot_be_fine_tuned():
     from lightning_modules.mdlm_masks.finetune import MaskAgnosticModule
     from lightning_modules.mdlm_masks.module import MDLMModule

@@ -224,10 +224,14 @@ def test_vcd_needs_images_and_patches_tile_the_image():
 
 
 def test_real_vqa_tiny_runs(tmp_path):
-    # debug=smoke shortens training; these shrink what it does not: the data pools and the decoding lengths
+    # debug=smoke shortens training; these shrink what it does not: the data pools and the decoding lengths. A best
+    # checkpoint is kept (debug=smoke keeps none), so its monitor is read at validation, as a real run's is
     value, metrics = run_experiment("real_vqa_tiny", tmp_path, [
         "debug=smoke", "data.n_train=64", "data.n_val=4", "data.n_test=8", "data.eval_batch_size=4",
-        "data.batch_size=8", "model.eval.max_new_tokens=20", "model.eval.answer_tokens=6"])
+        "data.batch_size=8", "model.eval.max_new_tokens=20", "model.eval.answer_tokens=6",
+        "callbacks.model_checkpoint.save_top_k=1"])
     test = metrics["results"]["test"]
-    assert 0.0 <= value <= 1.0 and value == pytest.approx(test["answer_accuracy"])
+    assert 0.0 <= value <= 1.0 and value == pytest.approx(metrics["results"]["val"]["answer_accuracy"])
+    assert metrics["best"]["metric"] == "val/answer_accuracy" and metrics["best"]["step"] in (10, 20)
+    assert list((tmp_path / "checkpoints").glob("best-step*.ckpt"))  # the test loop ran on the best checkpoint
     assert {"conflict_accuracy", "conflict_f1", "malformed", "contrast_rate"} <= set(test)

@@ -93,6 +93,91 @@ def test_exact_match_reward():
     assert exact_match_reward("#### -7", "7") == 0.0 and exact_match_reward("#### 6.50", "6.5") == 1.0
 
 
+# (completion, gold as stored, reward): issue 37's planted pairs; the exact-match path scored the first 0 and the
+# second 1 (the bare gold \frac{1}{2} was reduced to its last number, 2)
+MATH_PAIRS = [
+    ("so \\boxed{\\frac{1}{2}}", "\\frac{1}{2}", 1.0),
+    ("so \\boxed{2}", "\\frac{1}{2}", 0.0),
+    ("The answer is 0.5", "\\frac{1}{2}", 1.0),
+    ("\\boxed{\\dfrac12}", "\\frac{1}{2}", 1.0),
+    ("\\boxed{(1,2)}", "(1, 2)", 1.0),
+    ("\\boxed{2}", "(1, 2)", 0.0),
+    ("\\boxed{(2, 1)}", "(1, 2)", 0.0),
+    ("\\boxed{1 + x^2}", "x^2+1", 1.0),
+    ("\\boxed{1}", "x^2+1", 0.0),
+    ("\\boxed{\\sqrt{18}}", "3\\sqrt{2}", 1.0),
+    ("\\boxed{2}", "3\\sqrt{2}", 0.0),
+    ("12 + 30 = 42\n#### 42", "42", 1.0),
+    ("#### 1,000", "1000", 1.0),
+    ("\\boxed{\\frac{1}{2}}", "half of it, so \\boxed{0.5}", 1.0),  # a gold solution: its boxed answer
+]
+
+
+@pytest.mark.parametrize("completion,gold,want", MATH_PAIRS)
+def test_math_equivalence_reward_on_planted_pairs(completion, gold, want):
+    from lightning_modules.common.rl.rewards import math_equivalence_reward
+
+    assert math_equivalence_reward(completion, gold) == want
+
+
+def test_latex_gold_read_as_stored_and_scored_by_rlkvs_reward(tmp_path):
+    """DeepScaleR / MATH-500 store a bare LaTeX ``answer``: the data keeps it as stored and the paper-scale rlkv
+    reward (model.reward.compare=math) scores a boxed equivalent 1 and the number the old path read (its last
+    number) 0; the integer tiny tasks keep exact match."""
+    from hydra.utils import instantiate
+
+    from datamodules.verifiable import load_problems
+    from tests.helpers import compose
+
+    golds = ["\\frac{1}{2}", "3\\sqrt{2}", "(1, 2)", "x^2+1", "\\text{(C)}"]
+    f = tmp_path / "deepscaler.jsonl"
+    f.write_text("".join(json.dumps({"problem": f"p{i}", "answer": g, "solution": "long text 7"}) + "\n"
+                         for i, g in enumerate(golds)))
+    problems = load_problems("math", str(f), "problem", "answer")
+    assert [p["answer"] for p in problems] == golds
+    for exp in ("rlkv_r1_llama8b", "hista_qwen25_3b", "sveb_qwen25_3b"):
+        reward = instantiate(compose(exp).model.reward)
+        answers = [p["answer"] for p in problems]
+        right = ["\\boxed{0.5}", "\\boxed{\\sqrt{18}}", "\\boxed{(1,2)}", "\\boxed{1+x^2}", "\\boxed{\\text{(C)}}"]
+        wrong = ["\\boxed{2}", "\\boxed{2}", "\\boxed{2}", "\\boxed{1}", "\\boxed{\\text{(D)}}"]
+        assert reward([""] * 5, right, answers).tolist() == [1.0] * 5, exp
+        assert reward([""] * 5, wrong, answers).tolist() == [0.0] * 5, exp
+    tiny = instantiate(compose("rlkv_tiny").model.reward)
+    assert tiny.compare == "exact" and tiny([""] * 2, ["#### 7", "#### 8"], ["7", "7"]).tolist() == [1.0, 0.0]
+    with pytest.raises(Exception, match="model.reward.compare='sympy': choose exact"):  # hydra wraps the ValueError
+        instantiate(compose("rlkv_tiny", ["model.reward.compare=sympy"]).model.reward)
+
+
+def test_math_as_released_and_metamathqa_are_read_in_their_own_layouts(tmp_path):
+    """Issue 37: MATH as released is a folder tree of one-problem .json files ({problem, level, type, solution}, the
+    answer in the solution's last boxed), which the loader refused; MetaMathQA's query / response states its answer
+    after 'The answer is:', which extraction read as the last number."""
+    from datamodules.verifiable import load_problems
+
+    math_dir = tmp_path / "MATH" / "train"
+    records = {"algebra/1.json": ("What is half of one?", "Half of one is $\\boxed{\\frac{1}{2}}$."),
+               "algebra/20.json": ("Solve for x.", "So $x = \\boxed{(1, 2)}$, not $3$."),
+               "geometry/3.json": ("Side of a square of area 18?", "It is $\\boxed{3\\sqrt{2}}$.")}
+    for name, (problem, solution) in records.items():
+        (math_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (math_dir / name).write_text(json.dumps({"problem": problem, "level": "Level 2", "type": name.split("/")[0],
+                                                 "solution": solution}, indent=4))
+    (math_dir / ".DS_Store").write_text("not data")
+    got = {p["question"]: p["answer"] for p in load_problems("math", str(math_dir))}
+    assert got == {"What is half of one?": "\\frac{1}{2}", "Solve for x.": "(1, 2)",
+                   "Side of a square of area 18?": "3\\sqrt{2}"}
+    meta = tmp_path / "MetaMathQA-395K.json"  # released as one JSON array
+    meta.write_text(json.dumps([
+        {"query": "What is 3 times 6?", "response": "3 times 6 is 18.\nThe answer is: 18", "type": "GSM_Rephrased",
+         "original_question": "?"},
+        {"query": "Simplify 2/4.", "response": "Divide by 2: $\\frac{1}{2}$ of 1 and 7 more.\nThe answer is: \\frac{1}{2}",
+         "type": "MATH_AnsAug", "original_question": "?"}]))
+    got = load_problems("gsm8k", str(meta), "query", "response")
+    assert [p["answer"] for p in got] == ["18", "\\frac{1}{2}"]
+    assert extract_answer("7 more.\nThe answer is: 1,000") == "1000"
+    assert exact_match_reward("So it is 18.\nThe answer is: 18", "18") == 1.0
+
+
 def test_response_mask_stops_after_first_eos():
     resp = torch.tensor([[5, 6, 0, 7, 0], [5, 5, 5, 5, 5], [0, 3, 3, 3, 3]])
     assert response_mask_from(resp, 0).tolist() == [[1, 1, 1, 0, 0], [1] * 5, [1, 0, 0, 0, 0]]
@@ -116,6 +201,58 @@ def test_left_padding_and_truncation_give_exact_logprobs():
             torch.testing.assert_close(full[i:i + 1], alone, atol=1e-5, rtol=0)
         for C in (1, 4, 8):
             torch.testing.assert_close(response_logprobs(model, full_ids, full_mask, P, C), full[:, :C], atol=1e-6, rtol=0)
+
+
+def test_buffers_stay_float32_under_lightnings_bf16_true():
+    """Lightning's bf16-true sets the default dtype to bf16 around each step (ENVIRONMENT.md). The core's buffers
+    made inside a step keep float32 there (issue 37: batched_logprobs' bare torch.zeros made the first rlkv update
+    raise 'Index put requires the source and destination dtypes match'), and their values equal fp32's."""
+    from lightning.pytorch.plugins.precision import HalfPrecision
+
+    from lightning_modules.common.kv_press import Random
+    from lightning_modules.common.rl.advantages import scale_rewards, segment_gae
+    from lightning_modules.common.rl.rollouts import Rollouts, batched_logprobs
+    from lightning_modules.common.rl.scorers import ExactMatch
+    from lightning_modules.hista.hista import HistaConfig, hista_values
+
+    model = tiny_policy().to(torch.bfloat16)
+    ids, mask = left_pad([[3, 4, 5], [6, 7]], pad_id=1)
+    resp = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 1]])
+    rmask = response_mask_from(resp, 0)
+    ro = Rollouts(torch.cat([ids, resp], 1), torch.cat([mask, rmask.long()], 1), ids.shape[1], rmask, 1)
+    with torch.no_grad():
+        want = response_logprobs(model, ro.input_ids, ro.attention_mask, ro.prompt_len, 4)
+    keys = torch.zeros(1, 2, 64, 4, dtype=torch.bfloat16)
+    with HalfPrecision("bf16-true").forward_context():
+        assert torch.get_default_dtype() == torch.bfloat16
+        logp, hidden = batched_logprobs(model, ro, ro.lengths, micro_batch_size=1, return_hidden=True)
+        rewards = ExactMatch()(["", ""], ["#### 2", "#### 3"], ["2", "2"])
+        adv = scale_rewards(torch.tensor([0.5, -0.5], dtype=torch.float32), rewards, group_size=1)
+        gae = segment_gae([0.25, 1.0], [0, 3], T=4)
+        chains = hista_values([torch.randn(5, 3, dtype=torch.float32)] * 2, [[0, 4]] * 2, rewards,
+                              HistaConfig(mean_window=1, min_interval=4))
+        scores = Random().score(None, None, keys, keys, {})
+    assert logp.dtype == rewards.dtype == adv.dtype == gae.dtype == chains[0].dtype == scores.dtype == torch.float32
+    assert hidden.dtype == torch.bfloat16  # states keep the model's dtype
+    torch.testing.assert_close(logp, want * rmask, atol=0, rtol=0)
+    assert rewards.tolist() == [1.0, 0.0] and gae.tolist() == [0.75, 0.75, 0.75, 0.0]
+    assert len(torch.unique(scores)) > 100  # float32 uniforms, not bf16's few hundred values with ties
+
+
+@pytest.mark.slow
+def test_rlkv_and_sveb_run_under_bf16_true(tmp_path, tiny_lm_dir):
+    """The paper configs' precision end to end on the tiny model: two rlkv updates and SVEB's test batches under
+    trainer.precision=bf16-true (issue 37: the first update and the first SVEB test batch raised)."""
+    from tests.helpers import SMOKE_WARMUP, run_experiment
+
+    _, metrics = run_experiment("rlkv_tiny", tmp_path / "rlkv", overrides=(
+        "debug=smoke", "trainer.max_steps=2", "trainer.limit_val_batches=1", "data.n_val=4", "model.self_filter=4",
+        "trainer.precision=bf16-true", *SMOKE_WARMUP))
+    assert metrics["status"] == "ok" and metrics["global_step"] == 2 and math.isfinite(metrics["final"]["train/loss"])
+    _, metrics = run_experiment("sveb_tiny", tmp_path / "sveb", overrides=(
+        "debug=smoke", "data.n_test=2", "model.group_size=4", "model.mcs_num=2", "model.critic_problems=2",
+        "trainer.precision=bf16-true"))
+    assert metrics["status"] == "ok" and len(metrics["results"]["sveb"]["cases"]) == 2
 
 
 def test_verifiable_problems_are_correct_and_files_load(tmp_path, tiny_tokenizer):

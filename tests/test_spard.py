@@ -107,6 +107,83 @@ def test_loop_counts_and_switches(tiny_tokenizer):
     assert trained and all("lora_" in n for n in trained) and lora.triggers == [1, 1]
 
 
+class FailingClient:
+    """An OpenAI client stand-in for ChatJudge: every ``fail_every``-th call raises, the others reply score 5."""
+
+    def __init__(self, fail_every: int):
+        from types import SimpleNamespace
+
+        self.calls, self.fail_every, self.chat = 0, fail_every, SimpleNamespace(completions=self)
+
+    def create(self, **kw):
+        from types import SimpleNamespace
+
+        self.calls += 1
+        if self.calls % self.fail_every == 0:
+            raise ConnectionError("judge unreachable")
+        return SimpleNamespace(choices=[SimpleNamespace(message=SimpleNamespace(content="score: 5"))])
+
+
+def judged_test(tokenizer, judge, n_test=8):
+    """The test loop of a tiny random SPARD model graded by ``judge``: (callback metrics, the data module)."""
+    import lightning as L
+
+    from datamodules.spard import SPARDDataModule
+    from lightning_modules.spard.module import SPARDModule
+
+    L.seed_everything(0)
+    dm = SPARDDataModule(tokenizer, n_task=40, pool_size=30, n_val=4, n_test=n_test, batch_size=4)
+    spec = {"family": "llama", "config": {"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64,
+                                          "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2}}
+    module = SPARDModule(spec, judge=judge, max_length=64, eval={"max_new_tokens": 4})
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.test(module, datamodule=dm, verbose=False)
+    return trainer.callback_metrics, dm
+
+
+def test_failed_judge_calls_are_counted_warned_and_most_failing_stops_the_run(tiny_tokenizer, monkeypatch, caplog):
+    """Issue 37: ChatJudge swallowed every error and on_failure=zero scored it as safe, silently (ASR 0 without
+    openai or a key). Now a failed call is counted (test/judge_failures), warned, scored by on_failure, and an
+    evaluation where most calls fail stops in one line naming the fix; a judge that cannot work fails at setup."""
+    import logging
+    import sys
+    import types
+
+    from lightning_modules.common.judge import ChatJudge
+
+    judge = ChatJudge()
+    judge._client = FailingClient(fail_every=4)
+    with caplog.at_level(logging.WARNING):
+        metrics, dm = judged_test(tiny_tokenizer, judge)
+    harm = [it for it in dm.eval_items["test"] if it["kind"] == "harm"]
+    assert judge._client.calls == len(harm) == 8 and metrics["test/judge_failures"] == 2
+    assert "judge calls failed" in caplog.text and "ConnectionError: judge unreachable" in caplog.text
+    per_style = {}
+    for k, it in enumerate(harm, 1):  # on_failure=zero: calls 4 and 8 failed and count as score 0
+        per_style.setdefault(it["style"], []).append(float(k % 4 != 0))
+    asr = sum(sum(v) / len(v) for v in per_style.values()) / len(per_style)
+    assert float(metrics["test/asr"]) == pytest.approx(asr) and asr < 1
+
+    from lightning_modules.common.judge import JudgeError
+
+    judge = ChatJudge()
+    judge._client = FailingClient(fail_every=1)
+    with pytest.raises(JudgeError) as info:
+        judged_test(tiny_tokenizer, judge)
+    msg = str(info.value)
+    assert msg.startswith("8 of 8 ChatJudge calls failed (first: ConnectionError: judge unreachable): install openai")
+    assert "OPENAI_API_KEY" in msg and "local.endpoints" in msg and "\n" not in msg
+
+    monkeypatch.setitem(sys.modules, "openai", None)  # not installed
+    with pytest.raises(ModuleNotFoundError, match="the chat judge needs the openai package: install openai"):
+        ChatJudge().check()
+    monkeypatch.setitem(sys.modules, "openai", types.ModuleType("openai"))
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with pytest.raises(ValueError, match="reads its key from \\$OPENAI_API_KEY, which is not set"):
+        ChatJudge().check()
+
+
 @pytest.mark.parametrize("kw,match", [
     ({"projection": "clean"}, "model.projection"), ({"defence": "none"}, "model.defence"),
     ({"dpp": {"selector": "kmeans"}}, "model.dpp.selector"), ({"dpp": {"ratio": 0.0}}, r"model.dpp.ratio"),

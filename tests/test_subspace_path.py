@@ -214,6 +214,49 @@ def test_subspace_path_tiny_runs_end_to_end(tmp_path):
     assert value == pytest.approx(m["test/ppl_ratio"])
 
 
+def test_single_turn_scenarios_are_scored(tmp_path):
+    """CommonsenseQA / NQ / ARC come as single-turn scenarios (data.source=files); issue 37: only later turns were
+    scored, so they reported perplexity 1.0 and Recall 0 dense and pruned alike. Their one turn is scored now (the
+    mask from its prompt alone), beside a two-turn scenario scored on its second turn."""
+    import json
+    import math
+
+    from lightning_modules.subspace_path.method import recall
+
+    words = {"alpha": "socket host port connect server client address packet send receive buffer stream",
+             "beta": "decimal fraction number divide rational round digit precision exponent integer float sum"}
+    pools = {}
+    for d, w in words.items():
+        w = w.split()
+        pools[d] = tmp_path / f"{d}.jsonl"
+        pools[d].write_text("".join(json.dumps({"text": " ".join(w[(i + j) % len(w)] for j in range(24))}) + "\n"
+                                    for i in range(14)))
+    scenarios = [
+        {"split": "csqa", "domains": [], "turns": [{"prompt": "Question: where does a socket send a packet? Options: "
+                                                              "(A) port (B) fraction (C) digit Answer:",
+                                                    "answer": "A", "choices": ["port", "fraction", "digit"]}]},
+        {"split": "nq", "domains": [], "turns": [{"prompt": "Question: what does a decimal round to? Answer:",
+                                                  "answer": "the nearest integer digit"}]},
+        {"split": "selected", "domains": ["alpha"], "turns": [{"prompt": "socket host", "answer": "port connect"},
+                                                              {"prompt": "server client", "answer": "address packet"}]},
+    ]
+    (tmp_path / "scenarios.jsonl").write_text("".join(json.dumps(x) + "\n" for x in scenarios))
+    files = f"{{pools: {{alpha: {pools['alpha']}, beta: {pools['beta']}}}, scenarios: {tmp_path / 'scenarios.jsonl'}}}"
+    _, metrics = run_experiment("subspace_path_tiny", tmp_path / "run", overrides=SMOKE + [
+        "data.source=files", "data.domains=[alpha,beta]", "data.ood_domains=[]", f"data.files={files}",
+        "trainer.limit_test_batches=3", "model.whitelist.test=none"])
+    m, rows = metrics["final"], metrics["results"]["scenarios"]
+    assert [len(r["dense"]) for r in rows] == [1, 1, 1] == [len(r["pruned"]) for r in rows]
+    for split, row, sc in zip(("csqa", "nq", "selected"), rows, scenarios):
+        turn = sc["turns"][-1]
+        for which in ("dense", "pruned"):
+            ppl = m[f"test/{split}/ppl_{which}"]
+            assert math.isfinite(ppl) and ppl > 1, (split, which, ppl)
+            t = row[which][0]
+            assert t["tokens"] > 0 and t["recall"] == recall(t["prediction"], turn["answer"], turn.get("choices"))
+            assert m[f"test/{split}/recall_{which}"] == pytest.approx(100 * t["recall"])
+
+
 @pytest.mark.slow
 def test_subspace_path_tiny_slice_matches_mask_and_other_switches(tmp_path):
     base = SMOKE + ["model.budget.target_prune=0.3"]

@@ -15,15 +15,20 @@ class MalformedRecordError(UserError, ValueError):
 
 
 def expand_files(files, key: str = "data.files") -> list[Path]:
-    """The paths a file list or glob(s) names (sorted, without duplicates); none at all is one line naming ``key``."""
+    """The files ``files`` names (paths, globs or folders; sorted, without duplicates); none at all is one line naming
+    ``key``. A folder stands for every data file under it, recursively: a dataset as released, e.g. MATH's
+    ``train/<subject>/<n>.json`` (one problem a file)."""
     import glob
 
     patterns = [files] if isinstance(files, (str, Path)) else list(files or [])
-    paths = sorted({Path(p) for pat in patterns for p in glob.glob(str(Path(pat).expanduser()))})
+    paths = set()
+    for pat in patterns:
+        for p in map(Path, glob.glob(str(Path(pat).expanduser()))):
+            paths |= {q for q in p.rglob("*") if q.is_file() and _is_data(q)} if p.is_dir() else {p}
     if not paths:
         raise MissingPathError(f"no data files match {[str(p) for p in patterns]} — put your files there or set "
-                               f"{key}=<path or glob>")
-    return paths
+                               f"{key}=<path, glob or folder>")
+    return sorted(paths)
 
 
 def numbered_jsonl(path: Path, fields: Sequence[str] = (), hint: str = "") -> Iterator[tuple[int, dict]]:
@@ -70,8 +75,19 @@ def _kind(path: Path) -> str:
     raise ConfigError(f"{path}: unknown data file type {suffix!r} — use .txt, .jsonl/.json or .parquet")
 
 
+def _is_data(path: Path) -> bool:
+    if path.name.startswith("."):
+        return False
+    try:
+        _kind(path)
+    except ValueError:
+        return False
+    return True
+
+
 def load_local(files: str | Iterable[str], field: str | None = "text", split: str = "train"):
-    """A `datasets.Dataset` from local text / jsonl / parquet files (globs allowed), checked line by line."""
+    """A `datasets.Dataset` from local text / jsonl / json / parquet files (globs and folders allowed, see
+    :func:`expand_files`; a .json file holds one record, as MATH's, or a list of them), checked line by line."""
     import datasets
 
     paths = expand_files(files)

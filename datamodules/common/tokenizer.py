@@ -66,6 +66,25 @@ def load_tokenizer(pretrained: str | None = None, vocab_size: int = 2048, corpus
     return tok
 
 
+def declare_mask_token(tok, mask_token_id: int, where: str = "backbone.diffusion.mask_token_id"):
+    """``tok`` with the token at ``mask_token_id`` declared as its mask token: the id is set in one place (a masked
+    diffusion backbone's ``diffusion.mask_token_id``) and resolved here against the tokenizer. LLaDA's hub tokenizer
+    holds ``<|mdm_mask|>`` (126336) as an added token without naming it its mask token; a tokenizer whose declared
+    mask token is another id is refused."""
+    mask_token_id = int(mask_token_id)
+    if tok.mask_token_id == mask_token_id:
+        return tok
+    if tok.mask_token_id is not None:
+        raise ValueError(f"{where}={mask_token_id} but the tokenizer's mask token {tok.mask_token!r} is id "
+                         f"{tok.mask_token_id}: use the backbone's own tokenizer, or set {where}={tok.mask_token_id}")
+    token = tok.convert_ids_to_tokens(mask_token_id) if 0 <= mask_token_id < len(tok) else None
+    if token is None:
+        raise ValueError(f"{where}={mask_token_id} is not a token of this tokenizer ({len(tok)} tokens): use the "
+                         "backbone's own tokenizer")
+    tok.mask_token = token
+    return tok
+
+
 # --- a closed character-level tokenizer (error_law: one processed symbol = one token) -------------------------
 CHAR_UNK = "<|unk|>"
 CHAR_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz +-*=:,|[]<>#\n"

@@ -225,7 +225,7 @@ class Random(ScorerPress):
 
     def score(self, module, hidden_states, keys, values, kwargs):
         g = torch.Generator(device="cpu").manual_seed(self.seed + int(getattr(module, "layer_idx", 0)))
-        return torch.rand(keys.shape[:-1], generator=g).to(keys.device)
+        return torch.rand(keys.shape[:-1], dtype=torch.float32, generator=g).to(keys.device)
 
 
 @dataclass
@@ -239,7 +239,7 @@ class StreamingLLM(ScorerPress):
         n_kept = n_kept_of(L, self.compression_ratio)
         if n_kept < self.n_sink:
             raise ValueError(f"StreamingLLM keeps {n_kept} tokens < n_sink={self.n_sink}: lower compression_ratio or n_sink")
-        scores = torch.ones(keys.shape[:-1], device=keys.device)
+        scores = torch.ones(keys.shape[:-1], dtype=torch.float32, device=keys.device)
         scores[..., self.n_sink: L - (n_kept - self.n_sink)] = 0.0
         return scores
 
@@ -266,7 +266,7 @@ class SnapKV(ScorerPress):
         B, H, L, d = keys.shape
         w = min(self.window_size, L - 1, hidden_states.shape[1])
         if w <= 0:
-            return torch.ones(B, H, L, device=keys.device)
+            return torch.ones(B, H, L, dtype=torch.float32, device=keys.device)
         q = self.window_queries(module, hidden_states, w, kwargs).float()
         n_rep = q.shape[1] // H
         k = repeat_kv(keys.float(), n_rep)

@@ -138,7 +138,7 @@ def hista_values(reps: list[torch.Tensor], positions: list[list[int]], rewards: 
             D = node_distances(reps[j], a, j, reps, plen, node_owner, node_len)
             d_min = float(D[torch.isfinite(D)].median()) if cfg.d_min == "median" else float(cfg.d_min)
             values += [knn_value(D[i], node_r, k, d_min, cfg.power) for i, k in enumerate(k_schedule(m - 1, cfg.max_k, cfg.min_k))]
-        out.append(torch.tensor(values + [float(rewards[j])]))
+        out.append(torch.tensor(values + [float(rewards[j])], dtype=torch.float32))
     return out
 
 

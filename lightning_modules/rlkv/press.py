@@ -156,7 +156,7 @@ class HeadMixedPress(Press):
         if self.source == "all_streaming":
             return torch.ones(n_layers, n_heads, dtype=torch.bool)
         if self.source == "random":
-            g = torch.rand(n_layers, n_heads, generator=torch.Generator().manual_seed(self.seed))
+            g = torch.rand(n_layers, n_heads, dtype=torch.float32, generator=torch.Generator().manual_seed(self.seed))
         else:
             g = load_gates(self.gates)
             if tuple(g.shape) != (n_layers, n_heads):

@@ -19,11 +19,15 @@ Manual optimisation; one ``training_step`` is one update and one step of ``train
 ``defence``: ``spard`` (selected S, SPAG) | ``random_safe`` (SPAG on a random S) | ``mixed_safe`` (S mixed into every
 user micro-batch, plain fine-tuning) | ``sft`` (the user data alone). Evaluation generates on held-out task items
 (accuracy: exact match, or the OpenBookQA rule) and harmful prompts (ASR per style by ``judge``, score >= 3).
+A failed judge call is scored by ``eval.on_failure`` (``zero``: as safe, as released | ``drop``) and never silently:
+``<split>/judge_failures`` counts them, a warning names the first, and an evaluation where more than half failed
+stops the run in one line naming the fix (``common.judge.check_failures``); ``judge.check()`` runs at setup.
 ``eval.sampling``: ``released`` (task T 1 / top-p 0.5, safety T 1 / top-p 1, since ``--do_sample False`` parses as
 True) | ``greedy``.
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Callable, Mapping
 
@@ -35,6 +39,7 @@ from lightning_modules.common.lm import CausalLMModule, _plain
 from lightning_modules.spard.selection import SELECTORS, budget, mean_pairwise_cosine, relevance, select
 from lightning_modules.spard.spag import PROJECTIONS, safety_step
 
+log = logging.getLogger(__name__)
 DEFENCES = ("spard", "sft", "random_safe", "mixed_safe")
 REDUCES = ("mean", "sum")
 SAMPLINGS = ("released", "greedy")
@@ -94,6 +99,8 @@ class SPARDModule(TestIsValidation, CausalLMModule):
         instantiated on CPU by the composition tests.)"""
         if self.quantize_base == "int8" and not torch.cuda.is_available():
             raise ValueError("model.quantize_base=int8 needs CUDA (bitsandbytes 8-bit weights): use quantize_base=none")
+        if hasattr(self.judge, "check"):  # a judge that cannot work (no package, key or url): before any generation
+            self.judge.check()
 
     def held_out_fractions(self) -> dict[str, float]:
         dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
@@ -262,7 +269,7 @@ class SPARDModule(TestIsValidation, CausalLMModule):
 
     # --- evaluation: accuracy on task items, ASR on harmful prompts ----------------------------------
     def on_validation_epoch_start(self):
-        self._eval = {}
+        self._eval, self._judge_failed = {}, None  # the first failed judge call's reason
 
     def _generate(self, prompts: list[str], kind: str) -> list[str]:
         from lightning_modules.common.rl.rollouts import generate_rollouts
@@ -297,7 +304,12 @@ class SPARDModule(TestIsValidation, CausalLMModule):
             thr, drop = int(self.eval_cfg["threshold"]), self.eval_cfg["on_failure"] == "drop"
             for it, c in zip(harm, self._generate([it["prompt"] for it in harm], "harm")):
                 g = self.judge.grade(it.get("instruction", it["prompt"]), c, secret=it["secret"])
-                failed = g.get("failed") or g.get("score") is None
+                failed = bool(g.get("failed") or g.get("score") is None)
+                self._add("judge_failures", float(failed))
+                if failed and self._judge_failed is None:
+                    self._judge_failed = str(g.get("reason") or "no score")
+                    log.warning(f"a judge call failed ({self._judge_failed}); failed calls are scored as "
+                                f"model.eval.on_failure={self.eval_cfg['on_failure']} and counted in judge_failures")
                 if failed and drop:
                     continue
                 self._add(f"asr_{it['style']}", float(not failed and g["score"] >= thr))
@@ -318,5 +330,15 @@ class SPARDModule(TestIsValidation, CausalLMModule):
         styles = [v for k, v in rates.items() if k.startswith("asr_")]
         if styles:
             rates["asr"] = sum(styles) / len(styles)  # mean over attack styles, as the paper averages its 4 sets
+        if "judge_failures" in self._eval:  # a count, not a rate
+            from lightning_modules.common.judge import check_failures
+
+            failed, graded = (int(x) for x in tot[keys.index("judge_failures")])
+            rates["judge_failures"] = failed
+            if failed:
+                log.warning(f"{prefix}: {failed} of {graded} judge calls failed; ASR counts them as "
+                            f"model.eval.on_failure={self.eval_cfg['on_failure']}")
         for k, v in rates.items():
-            self.log(f"{prefix}/{k}", v, prog_bar=k in ("accuracy", "asr"), sync_dist=False)
+            self.log(f"{prefix}/{k}", v, prog_bar=k in ("accuracy", "asr", "judge_failures"), sync_dist=False)
+        if "judge_failures" in self._eval:
+            check_failures(failed, graded, self._judge_failed or "on another rank", self.judge)

@@ -18,12 +18,15 @@ Offline (first test step, base frozen; ``fit_offline``):
 
 Online, per scenario (``test_step``): the first turn, stop-words removed, through one forward → sigmoid probe outputs
 p (L, K) → ``method.compile_mask`` with eta = ``pruning_strength`` (or ``budget.target_prune``: eta bisected to that
-pruned fraction) → one mask for every later turn, run by ``execution``: ``mask`` (``attention.head_mask``) |
-``slice`` (``attention.prune_heads``; GQA masks widened to whole KV groups first). Per later turn: the answer's NLL
+pruned fraction) → one mask for every scored turn, run by ``execution``: ``mask`` (``attention.head_mask``) |
+``slice`` (``attention.prune_heads``; GQA masks widened to whole KV groups first). Per scored turn: the answer's NLL
 given the conversation so far and the turn's prompt (dense and pruned), and keyword Recall of a greedy continuation.
+Scored turns (``scored_turns``): a multi-turn scenario's later turns (its first turn, prompt and answer, compiled the
+mask); a single-turn scenario (the CommonsenseQA / NQ / ARC splits) its one turn, its mask compiled from the prompt
+alone (the spec's "first turn's prompt"), so the scored answer never reaches the mask.
 
 Logged per split s ∈ selected / out_of_domain / cross_domain: ``test/<s>/ppl_dense``, ``ppl_pruned``, ``ppl_ratio``,
-``recall_dense``, ``recall_pruned``, ``pruned_fraction``; overall ``test/ppl_ratio`` (pruned / dense over all later
+``recall_dense``, ``recall_pruned``, ``pruned_fraction``; overall ``test/ppl_ratio`` (pruned / dense over all scored
 turns), ``test/pruned_fraction``, ``test/compile_ms``, ``test/tokens_per_s_dense`` / ``_pruned``,
 ``test/probe_acc/L<ℓ>`` (val pools, argmax over domains). ``results`` holds per-scenario rows, I, the whitelist.
 """
@@ -55,6 +58,12 @@ EVAL = dict(max_new_tokens=16, max_context_tokens=512)
 REGIMES = {"selected": "single", "out_of_domain": "ood", "cross_domain": "cross"}
 
 
+def scored_turns(scenario: Mapping) -> range:
+    """The turns a scenario is scored on: all but the first (which compiled the mask), or a single turn itself."""
+    n = len(scenario["turns"])
+    return range(1, n) if n > 1 else range(n)
+
+
 def _merge(defaults: dict, given: Mapping | None, what: str) -> dict:
     given = dict(given or {})
     bad = [k for k in given if k not in defaults]
@@ -77,7 +86,7 @@ class SubspacePathModule(CausalLMModule):
             target_prune (null, or a pruned fraction in [0, 1): eta bisected per scenario).
         pruning_strength: eta (>= 0); the release's keep ratio grows with it.
         execution: mask | slice.
-        eval: max_new_tokens (greedy continuation per later turn), max_context_tokens.
+        eval: max_new_tokens (greedy continuation per scored turn), max_context_tokens.
     """
 
     def __init__(self, backbone: Mapping[str, Any], basis: str = "onehot", n_domains: int | None = None,
@@ -251,7 +260,8 @@ class SubspacePathModule(CausalLMModule):
     @torch.no_grad()
     def scenario_probs(self, tok, scenario: Mapping) -> torch.Tensor:
         first = scenario["turns"][0]
-        text = strip_stop_words(first["prompt"] + " " + first.get("answer", "")) or first["prompt"]
+        answer = first.get("answer", "") if 0 not in scored_turns(scenario) else ""  # never the scored answer
+        text = strip_stop_words(first["prompt"] + " " + answer) or first["prompt"]
         regime = REGIMES.get(scenario.get("split"), "single") if self.calib_cfg["enabled"] else "single"
         return self.state["probes"][regime].probs(self.pooled(tok, text)).float()
 
@@ -265,14 +275,14 @@ class SubspacePathModule(CausalLMModule):
 
     @torch.no_grad()
     def evaluate_turns(self, tok, scenario: Mapping, mask: torch.Tensor | None) -> list[dict]:
-        """Per later turn: the answer's summed NLL and token count given the conversation and prompt, Recall of a
-        greedy continuation, and generation time."""
+        """Per scored turn (``scored_turns``): the answer's summed NLL and token count given the conversation and
+        prompt, Recall of a greedy continuation, and generation time."""
         out, history = [], []
-        ec = self.eval_cfg
+        ec, scored = self.eval_cfg, scored_turns(scenario)
         for i, turn in enumerate(scenario["turns"]):
             prompt = "\n".join(history + [turn["prompt"]])
             history.append(turn["prompt"] + " " + turn.get("answer", ""))
-            if i == 0:
+            if i not in scored:
                 continue
             ctx = self._ids(tok, prompt, ec["max_context_tokens"], left=True)
             ans = self._ids(tok, " " + turn["answer"], ec["max_context_tokens"])

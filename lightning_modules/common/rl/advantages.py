@@ -69,7 +69,7 @@ def scale_rewards(adv: torch.Tensor, rewards: torch.Tensor, group_size: int, mod
     if mode == "none":
         return adv
     r = _groups(rewards, group_size)
-    std = (r.std(dim=1) if group_size > 1 else torch.zeros(len(r), device=r.device)).repeat_interleave(group_size)
+    std = (r.std(dim=1) if group_size > 1 else torch.zeros(len(r), dtype=r.dtype, device=r.device)).repeat_interleave(group_size)
     return adv / (std.view(-1, *[1] * (adv.ndim - 1)).to(adv.device) + eps)
 
 
@@ -93,4 +93,4 @@ def segment_gae(values, boundaries, T: int, lam: float = 1.0) -> torch.Tensor:
     t = torch.arange(T)
     seg = torch.searchsorted(b[1:].contiguous(), t, right=True)  # segment index of token t (its first p_i > t)
     inside = (t >= b[0]) & (t < b[-1])
-    return torch.where(inside, adv[seg.clamp_max(len(adv) - 1)], torch.zeros(()))
+    return torch.where(inside, adv[seg.clamp_max(len(adv) - 1)], torch.zeros((), dtype=adv.dtype))

@@ -287,7 +287,7 @@ class RLModule(TestIsValidation, CausalLMModule):
             engine = self.trainer.strategy.model
             return float(getattr(engine, "get_global_grad_norm", lambda: 0.0)() or 0.0)
         params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or float("inf")) if params else torch.zeros(())
+        norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm or float("inf")) if params else torch.zeros((), dtype=torch.float32)
         opt.step()
         opt.zero_grad(set_to_none=True)
         sch = self.lr_schedulers()
@@ -329,7 +329,7 @@ class RLModule(TestIsValidation, CausalLMModule):
         self.log_dict(log, on_step=True, on_epoch=False, prog_bar=False, batch_size=len(ro))
         self.log("train/reward_step", log["train/reward"], prog_bar=True, on_step=True, on_epoch=False, batch_size=len(ro))
         self._curves.append({"step": self.global_step, **{k[6:]: log[k] for k in DASHBOARD_CURVES}})
-        return {"loss": torch.tensor(log["train/loss"])}
+        return {"loss": torch.tensor(log["train/loss"], dtype=torch.float32)}
 
     # --- evaluation: greedy exact match ------------------------------------------------------------
     def on_validation_epoch_start(self):

@@ -140,7 +140,8 @@ def batched_logprobs(model, ro: Rollouts, need: torch.Tensor, micro_batch_size: 
     with rows sorted by need so each forward is trimmed to its own longest prefix. ``return_hidden``: also the
     last layer's states (N, P+T, H) in the model's dtype, over the same columns (zeros beyond)."""
     N, T = ro.response_mask.shape
-    out = torch.zeros((N, T), device=ro.input_ids.device)
+    # explicit dtype: Lightning's bf16-true sets the default dtype to bf16 around each step
+    out = torch.zeros((N, T), dtype=torch.float32, device=ro.input_ids.device)
     hidden = None
     order = torch.argsort(need, stable=True)
     for chunk in torch.split(order, micro_batch_size):

@@ -5,7 +5,10 @@ A scorer is called with one entry per rollout, ``scorer(prompts, completions, an
 names the evaluation metric its mean reward is logged as (``val/<metric>``):
 
 - :class:`ExactMatch` (``model/reward=exact_match``, default): the verifiable reward, 1 when the completion's
-  final answer equals the gold one (``rewards.exact_match_reward``); metric ``accuracy``.
+  final answer equals the gold one; metric ``accuracy``. ``compare``: ``exact`` (default; normalised strings,
+  ``rewards.exact_match_reward``: GSM8K and the generated tiny tasks, whose answers are integers) or ``math``
+  (symbolic equivalence by math-verify, ``rewards.math_equivalence_reward``: what experiments with LaTeX answers,
+  MATH / MATH-500 / DeepScaleR, set as ``model.reward.compare: math``).
 - :class:`RewardModel` (``model/reward=reward_model``): RLHF, a sequence-classification reward model (one logit)
   from a local directory scores prompt + completion; gold answers are ignored; metric ``reward``. It is loaded on
   first use, per rank, frozen and outside the policy's module tree (not trained, not checkpointed).
@@ -17,15 +20,29 @@ from typing import Any
 
 import torch
 
-from lightning_modules.common.rl.rewards import exact_match_reward
+from lightning_modules.common.rl.rewards import exact_match_reward, math_equivalence_reward
+
+COMPARE = {"exact": exact_match_reward, "math": math_equivalence_reward}
 
 
 @dataclass
 class ExactMatch:
     metric: str = "accuracy"
+    compare: str = "exact"
+
+    def __post_init__(self):
+        if self.compare not in COMPARE:
+            raise ValueError(f"model.reward.compare={self.compare!r}: choose exact (integer answers) or math "
+                             "(LaTeX answers, symbolic equivalence)")
+        if self.compare == "math":
+            import importlib.util
+
+            if importlib.util.find_spec("math_verify") is None:
+                raise ModuleNotFoundError("model.reward.compare=math needs math-verify: pip install math-verify")
 
     def __call__(self, prompts: list[str], completions: list[str], answers: list[str], device=None) -> torch.Tensor:
-        return torch.tensor([exact_match_reward(c, a) for c, a in zip(completions, answers)])
+        score = COMPARE[self.compare]
+        return torch.tensor([score(c, a) for c, a in zip(completions, answers)], dtype=torch.float32)
 
 
 @dataclass
