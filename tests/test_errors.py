@@ -85,7 +85,7 @@ CASES = {
     "missing_ckpt_path": (["ckpt_path=/no/such.ckpt"], "or ckpt_path=last to resume"),
     "seed_not_an_integer": (["seed=abc"], "pass one, e.g. seed=1"),  # a typo in a swept value
     "token_limit_not_a_number": (["max_in_memory_tokens=lots"], "pass a number of tokens (e.g. 1e9)"),
-    "no_data_files": (["data.source=files", "data.files={tmp}/none/*.txt"], "set data.files=<path or glob>"),
+    "no_data_files": (["data.source=files", "data.files={tmp}/none/*.txt"], "set data.files=<path, glob or folder>"),
     "tiny_model_not_built": (["experiment=hici_tiny"], "run `python -m datamodules.common.tiny_models build tiny-lm`"),
     "no_hub": (["experiment=grpo_qwen25_7b", "trainer=cpu"], "pass backbone.pretrained=<local dir>"),
 }
