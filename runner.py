@@ -346,6 +346,10 @@ def _needs_no_logger(callbacks: list, loggers: list) -> list:
 
 
 def _run(cfg: DictConfig, state: _State):
+    if cfg.get("dryrun"):  # debug=dryrun: shrink the sizes before anything is checked or built
+        from dryrun import prepare
+
+        prepare(cfg)
     check_config(cfg)
     import lightning as L
     from hydra.utils import instantiate

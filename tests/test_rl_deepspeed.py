@@ -1,4 +1,4 @@
-"""The RL module's gradient clip under DeepSpeed ZeRO (CPU processes through tests/deepspeed_cpu.py).
+"""The RL module's gradient clip under DeepSpeed ZeRO (CPU processes through callbacks/deepspeed_cpu.py).
 
 Manual optimisation forbids ``trainer.gradient_clip_val``, so Lightning would configure the engine with
 ``gradient_clipping: 0`` (no clip) while the module skips its own clip under ZeRO (partitioned gradients). The
@@ -21,7 +21,7 @@ def test_rl_clip_reaches_deepspeed_engine(stage, tmp_path):
     import lightning as L
 
     from lightning_modules.common.rl.module import RLModule
-    from tests.deepspeed_cpu import CPUDeepSpeedStrategy
+    from callbacks.deepspeed_cpu import CPUDeepSpeedStrategy
 
     os.environ.setdefault("MASTER_PORT", str(29510 + stage))
     spec = dict(family="llama", pretrained=None, dtype="float32", attn_implementation="sdpa",

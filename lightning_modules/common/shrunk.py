@@ -135,14 +135,15 @@ def _shrink_vision(given: Mapping[str, Any], full, text_hidden: int) -> dict:
     return out
 
 
-def shrunk_spec(spec: Mapping[str, Any]) -> dict:
+def shrunk_spec(spec: Mapping[str, Any], flavour: tuple[str, bool] | None = None) -> dict:
     """The twin's spec: ``spec`` with ``config`` shrunk (see the module docstring) and the diffusion mask id mapped
-    onto the family tokenizer; ``pretrained`` and every other key as they were."""
+    onto the family tokenizer; ``pretrained`` and every other key as they were. ``flavour``: the tokenizer's
+    (flavour, chat) when it is not the spec's own (a from-scratch model trained with another family's tokenizer)."""
     from transformers import AutoTokenizer
 
     from lightning_modules.common.backbone import build_config
 
-    flavour, chat = spec_flavour(spec)
+    flavour, chat = flavour or spec_flavour(spec)
     tok = AutoTokenizer.from_pretrained(str(family_tokenizer_dir(flavour, chat)))
     given = dict(spec.get("config") or {})
     full = build_config({**spec, "config": {k: v for k, v in given.items() if not _unresolved(v)}})
