@@ -76,7 +76,6 @@ def prepare(cfg: DictConfig) -> dict:
         if is_rank_zero():
             shutil.rmtree(root, ignore_errors=True)  # this run's miniatures, written fresh
         cfg.local.data_root = str(root)
-        os.environ["PAPERLAB_DRYRUN_DATA"] = str(root)
         notes["model"], original = _backbone(cfg, root)
         notes["tokenizers"] = _hub_ids(cfg, original)
         notes["sizes"] = _sizes(cfg, int(opts.steps))
