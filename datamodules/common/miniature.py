@@ -4,7 +4,7 @@ A dry run points ``local.data_root`` at a folder of its own and, for every path 
 (``<root>/gsm8k/train.jsonl``, ``<root>/fineweb/*.parquet``, ``<root>/ruler``), calls the writer registered for the
 path's layout: the same files, fields and formats as the released dataset, a few dozen records of generated text.
 A layout is a glob relative to the data root; shared layouts (text corpora, GSM8K, MATH, WikiText-2, C4, FineWeb,
-PG-19, OpenOrca, ...) are registered below; a paper reading its own dataset registers the layout in its own
+PG-19, OpenOrca, prompt sets) are registered below; a paper reading its own dataset registers the layout in its own
 ``data*.py`` (found on disk by :func:`discover_layouts`, as instruction generators are)::
 
     @register_layout("ruler")
@@ -134,7 +134,6 @@ def _split(items: list, parts: int) -> list[list]:
 @register_layout("pretrain/*.jsonl")
 @register_layout("redpajama_1t_sample/*.jsonl")
 @register_layout("proof-pile/*/*.jsonl")
-@register_layout("instemb/inbedder_pretrain/*.jsonl")
 def write_text_jsonl(target: Path, cfg) -> None:
     """JSON lines with a ``text`` field (RedPajama / Proof-Pile style, with a ``meta`` record)."""
     files = _files(target)
@@ -195,10 +194,9 @@ def _seed(target: Path) -> int:
 
 
 @register_layout("gsm8k/*.jsonl")
-@register_layout("spard/gsm8k/*.jsonl")
 def write_gsm8k(target: Path, cfg) -> None:
     """GSM8K: ``question`` / ``answer`` where the answer's reasoning ends in ``#### <number>``."""
-    write_jsonl(concrete(target, "train"), [{"question": p["question"], "answer": p["solution"].replace("\n", "\n")}
+    write_jsonl(concrete(target, "train"), [{"question": p["question"], "answer": p["solution"]}
                                              for p in _word_problems(N_RECORDS, _seed(target))])
 
 
@@ -246,12 +244,3 @@ def write_openorca(target: Path, cfg) -> None:
 def write_prompts(target: Path, cfg) -> None:
     """Prompts without answers (HH-RLHF / UltraFeedback style): ``prompt``."""
     write_jsonl(concrete(target, "train"), [{"prompt": p["question"]} for p in _word_problems(N_RECORDS, _seed(target))])
-
-
-@register_layout("longalpaca/*.json")
-def write_longalpaca(target: Path, cfg) -> None:
-    """LongAlpaca-12k: one JSON list of ``instruction`` (a long document and a question), ``input``, ``output``."""
-    docs = documents(n=N_RECORDS // 2, min_chars=3000)
-    records = [{"instruction": f"{d}\n\nSummarize the text above in one sentence.", "input": "",
-                "output": d.split(".")[0].strip() + "."} for d in docs]
-    concrete(target, "train").write_text(json.dumps(records, ensure_ascii=False), encoding="utf-8")
