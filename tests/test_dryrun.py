@@ -35,7 +35,15 @@ def test_prepare_shrinks_a_paper_scale_config(tmp_path):
     """lm_llama7b: LLaMA-2-7B from scratch on shards with the Llama-2 tokenizer, DeepSpeed ZeRO-3 on 8 GPUs."""
     from transformers import AutoTokenizer
 
-    cfg = _prepared("lm_llama7b", tmp_path, "dryrun.processes=2")
+    from omegaconf import open_dict
+
+    from dryrun import prepare
+
+    cfg = compose("lm_llama7b", ["debug=dryrun"], output_dir=tmp_path)
+    with open_dict(cfg):  # an experiment's own dry-run sizes win over the generic caps
+        cfg.dryrun_overrides = {"data.eval_batch_size": 1}
+    prepare(cfg)
+    assert cfg.data.eval_batch_size == 1 and cfg.data.batch_size == 2
     backbone = cfg.backbone
     assert backbone.pretrained is None and backbone.family == "llama"  # still from scratch, the same family
     assert backbone.config.num_hidden_layers == 2 and backbone.config.hidden_size < 256
