@@ -77,7 +77,7 @@ def prepare(cfg: DictConfig) -> dict:
             shutil.rmtree(root, ignore_errors=True)  # this run's miniatures, written fresh
         cfg.local.data_root = str(root)
         notes["model"], original = _backbone(cfg, root)
-        notes["tokenizers"] = _hub_ids(cfg, original)
+        notes["tokenizers"] = _hub_ids(cfg, original, root)
         notes["sizes"] = _sizes(cfg, int(opts.steps))
         _overrides(cfg, notes)
         notes["data root"] = _data(cfg, root)
@@ -111,13 +111,25 @@ def _count(spec: dict) -> int:
     return count_parameters(build_backbone({**spec, "pretrained": None}, meta=True))
 
 
-def _tokenizer_hub_id(cfg: DictConfig) -> str | None:
-    """The data's tokenizer hub id when it is not the backbone's own (a from-scratch model's tokenizer)."""
+def _model_id(parent: DictConfig, key: str, root: Path) -> str | None:
+    """What a ``pretrained`` value names when the dry run must stand in for it: a hub id as written, or a checkpoint
+    dir under the data root, named by its place there (``olmoe/OLMoE-1B-7B-0924``); None otherwise."""
+    raw = parent._get_node(key)._value()
+    if _is_hub_id(raw):
+        return raw
+    if isinstance(raw, str) and "local.data_root" in raw:
+        value = parent[key]
+        if isinstance(value, str) and value.startswith(str(root)):
+            return Path(value).relative_to(root).as_posix()
+    return None
+
+
+def _tokenizer_hub_id(cfg: DictConfig, root: Path) -> str | None:
+    """The data's tokenizer id when it is not the backbone's own (a from-scratch model's tokenizer)."""
     tok = cfg.get("data", {}).get("tokenizer") if isinstance(cfg.get("data"), DictConfig) else None
     if not isinstance(tok, DictConfig) or "pretrained" not in tok:
         return None
-    raw = tok._get_node("pretrained")._value()
-    return raw if _is_hub_id(raw) else None
+    return _model_id(tok, "pretrained", root)
 
 
 def _backbone(cfg: DictConfig, root: Path) -> tuple[str, str | None]:
@@ -137,7 +149,7 @@ def _backbone(cfg: DictConfig, root: Path) -> tuple[str, str | None]:
         small = twin_spec(spec)
         where = f"twin checkpoint {twin_dir(spec)}"
     else:  # from scratch: random init from the shrunk config; the tokenizer is the data's (a hub id) or the BPE
-        hub = _tokenizer_hub_id(cfg)
+        hub = _tokenizer_hub_id(cfg, root)
         if hub is None:
             flavour = None
             keep_vocab = cfg.backbone.config._get_node("vocab_size")._value() if "vocab_size" in cfg.backbone.config else None
@@ -210,7 +222,7 @@ def _top_level(cfg: DictConfig):
             yield from _walk(cfg._get_node(key), str(key))
 
 
-def _hub_ids(cfg: DictConfig, original: str | None) -> str:
+def _hub_ids(cfg: DictConfig, original: str | None, root: Path) -> str:
     """Every other ``pretrained: <hub id>`` -> the backbone's twin (the same id), a family tokenizer stand-in (a
     tokenizer's), or the twin of the ``conf/backbone`` spec naming that id (a second model)."""
     from datamodules.common.family_tokenizers import family_tokenizer_dir, flavour_of
@@ -220,11 +232,11 @@ def _hub_ids(cfg: DictConfig, original: str | None) -> str:
     for path, parent, key in list(_top_level(cfg)):
         if key != "pretrained":
             continue
-        raw = parent._get_node(key)._value()
-        if not _is_hub_id(raw):
+        raw = _model_id(parent, key, root)
+        if raw is None:
             continue
         target = str(parent.get("_target_", ""))
-        if raw == original:
+        if raw == original or parent[key] == original:
             parent[key] = cfg.backbone.pretrained
         elif target.endswith(_HUB_TOKENIZERS):
             parent[key] = str(family_tokenizer_dir(*flavour_of(raw)))
