@@ -286,9 +286,9 @@ def _sizes(cfg: DictConfig, steps: int) -> str:
                     accumulate_grad_batches=accumulate)
     for key, value in plan.items():
         old = tr.get(key)
-        if old != value:
+        if old != value or type(old) is not type(value):  # limit_val_batches 1.0 is all batches, 1 is one
             tr[key] = value
-            if key in ("max_steps", "accumulate_grad_batches", "limit_test_batches"):
+            if key in ("max_steps", "accumulate_grad_batches", "limit_val_batches", "limit_test_batches"):
                 changed.append(f"trainer.{key} {old}->{value}")
     return ", ".join(changed)
 
