@@ -8,7 +8,8 @@
 - **model**: the backbone becomes its same-family shrunk twin (``lightning_modules/common/shrunk.py``: a random-init
   checkpoint of the real transformers class, GQA ratio, tying, MoE routing, vision tower, with the family's
   tokenizer and chat template); a from-scratch backbone keeps ``pretrained: null`` with the shrunk config. Every
-  other hub id in the config (a tokenizer, a reference model) becomes its stand-in too.
+  other ``pretrained`` hub id in the config (a tokenizer, a reference model), and any checkpoint dir it names under
+  the data root (a local copy of OLMoE, an earlier run's export), becomes its stand-in too.
 - **data**: ``local.data_root`` moves to ``<run dir>/dryrun_data`` and every path the config reads under it is
   written there in its dataset's layout (``datamodules/common/miniature.py``; a path no layout claims fails in
   one line).
@@ -66,28 +67,33 @@ def _preflight(cfg: DictConfig) -> None:
 
 
 def prepare(cfg: DictConfig) -> dict:
-    """Rewrite ``cfg`` for a dry run (see the module docstring); returns what changed, as printed."""
+    """Rewrite ``cfg`` for a dry run (see the module docstring); returns what changed, each line printed (rank 0)
+    as soon as it is done, so a step that fails names itself after the ones that worked."""
     if is_rank_zero():
         _preflight(cfg)
+        print(f"[dryrun] {_experiment_name()}: the experiment's own task on CPU, sizes shrunk", flush=True)
     opts = cfg.dryrun
     notes: dict[str, str] = {}
+
+    def note(what: str, text: str) -> None:
+        notes[what] = text
+        if text and is_rank_zero():
+            print(f"[dryrun]   {what:<10} {text}", flush=True)
+
     with open_dict(cfg):
-        root = Path(opts.get("data_root") or Path(cfg.paths.output_dir) / "dryrun_data").resolve()
-        if is_rank_zero():
-            shutil.rmtree(root, ignore_errors=True)  # this run's miniatures, written fresh
+        default_root = Path(cfg.paths.output_dir) / "dryrun_data"
+        root = Path(opts.get("data_root") or default_root).resolve()
+        if is_rank_zero() and root == default_root.resolve():
+            shutil.rmtree(root, ignore_errors=True)  # this run's own miniatures, written fresh each time
         cfg.local.data_root = str(root)
-        notes["model"], original = _backbone(cfg, root)
-        notes["tokenizers"] = _hub_ids(cfg, original, root)
-        notes["sizes"] = _sizes(cfg, int(opts.steps))
-        _overrides(cfg, notes)
-        notes["data root"] = _data(cfg, root)
-        notes["endpoints"] = _endpoints(cfg, root)
-        notes["strategy"] = _strategy(cfg, int(opts.processes))
-    if is_rank_zero():
-        print("[dryrun] " + _experiment_name() + ": the experiment's own task on CPU, sizes shrunk", flush=True)
-        for what, text in notes.items():
-            if text:
-                print(f"[dryrun]   {what:<10} {text}", flush=True)
+        text, original = _backbone(cfg, root)
+        note("model", text)
+        note("hub ids", _hub_ids(cfg, original, root))
+        note("sizes", _sizes(cfg, int(opts.steps)))
+        note("overrides", _overrides(cfg))
+        note("data root", _data(cfg, root))
+        note("endpoints", _endpoints(cfg, root))
+        note("strategy", _strategy(cfg, int(opts.processes)))
     return notes
 
 
@@ -293,15 +299,14 @@ def _sizes(cfg: DictConfig, steps: int) -> str:
     return ", ".join(changed)
 
 
-def _overrides(cfg: DictConfig, notes: dict) -> None:
+def _overrides(cfg: DictConfig) -> str:
     """The experiment's own dry-run sizes (``dryrun_overrides: {dotted.key: value}``), applied last."""
     extra = cfg.get("dryrun_overrides")
     if not extra:
-        return
+        return ""
     for key, value in extra.items():
         OmegaConf.update(cfg, key, value, merge=False, force_add=True)
-    notes["sizes"] = ", ".join(filter(None, [notes.get("sizes"), "the experiment's dryrun_overrides: "
-                                              + ", ".join(f"{k}={v}" for k, v in extra.items())]))
+    return "the experiment's dryrun_overrides: " + ", ".join(f"{k}={v}" for k, v in extra.items())
 
 
 # --- data -------------------------------------------------------------------------------------------------------------
