@@ -314,6 +314,7 @@ def _data(cfg: DictConfig, root: Path) -> str:
     """Every path under ``local.data_root`` the config reads -> its miniature; ``???`` file keys -> one line."""
     from datamodules.common.miniature import write_miniature
 
+    _register_model_layouts()
     data = cfg.get("data")
     if isinstance(data, DictConfig):
         for key in ("files", "val_files", "test_files"):
@@ -334,6 +335,34 @@ def _data(cfg: DictConfig, root: Path) -> str:
     written = [f"{Path(p).relative_to(root)} ({write_miniature(p, root, cfg)})" if is_rank_zero()
                else str(Path(p).relative_to(root)) for p in sorted(paths)]
     return f"{root}: " + ", ".join(written)
+
+
+# Model directories a config reads under the data root are written by the dry run itself (they need the twins).
+REWARD_MODEL_SPEC = "meta-llama/Llama-3.1-8B-Instruct"  # a typical base of released reward models (Skywork-Reward)
+
+
+def _write_reward_model(target: Path, cfg) -> None:
+    """A sequence-classification reward model dir (one logit, as ``common/rl/scorers.RewardModel`` loads it): the
+    shrunk twin of a Llama-3.1-8B-Instruct spec with a score head, and its chat tokenizer."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from lightning_modules.common.backbone import build_config
+    from lightning_modules.common.shrunk import twin_dir, twin_spec
+
+    spec = _backbone_spec_named(REWARD_MODEL_SPEC)
+    config = build_config(twin_spec(spec))
+    config.num_labels = 1
+    torch.manual_seed(0)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(str(target))
+    AutoTokenizer.from_pretrained(str(twin_dir(spec))).save_pretrained(str(target))
+
+
+def _register_model_layouts() -> None:
+    from datamodules.common.miniature import LAYOUTS, register_layout
+
+    if "models/reward_model" not in LAYOUTS:
+        register_layout("models/reward_model")(_write_reward_model)
 
 
 # --- endpoints --------------------------------------------------------------------------------------------------------
