@@ -268,6 +268,8 @@ def _backbone_spec_named(hub_id: str) -> dict | None:
 
 # --- sizes ------------------------------------------------------------------------------------------------------------
 def _sizes(cfg: DictConfig, steps: int) -> str:
+    """``SIZE_CAPS`` under data / model, held-out fractions a miniature corpus can fill, and the trainer's loop:
+    ``steps`` optimizer steps, one batch per validation and test, accumulation kept but at most 2."""
     changed = []
     for top in ("data", "model"):
         node = cfg.get(top)
