@@ -393,6 +393,10 @@ def _run(cfg: DictConfig, state: _State):
             preflight(cfg)
         if cfg.preflight == "only":
             return None
+    if cfg.get("dryrun"):  # debug=dryrun: shrink the sizes before anything is checked or built
+        from dryrun import prepare
+
+        prepare(cfg)
     check_config(cfg)
     import lightning as L
     from hydra.utils import instantiate
@@ -434,7 +438,7 @@ def _run(cfg: DictConfig, state: _State):
     if task in ("test", "fit_test"):
         if task == "fit_test":
             best = trainer.checkpoint_callback.best_model_path if trainer.checkpoint_callback else ""
-            trainer.test(module, datamodule=datamodule, ckpt_path=best or None)
+            trainer.test(module, datamodule=datamodule, ckpt_path=_loadable(trainer, best) or None)
         else:
             trainer.test(module, datamodule=datamodule, ckpt_path=ckpt_path)
         collect()
@@ -444,6 +448,22 @@ def _run(cfg: DictConfig, state: _State):
         _print_table(cfg, state.final, out_dir)
     value = state.seen.get(cfg.get("optimized_metric") or "", None)
     return value if value is None or math.isfinite(value) else float("nan")
+
+
+def _loadable(trainer, ckpt: str) -> str:
+    """A checkpoint the test loop can load. DeepSpeed ZeRO saves a directory that its test-time engine cannot reload
+    (loading without optimizer states calls ``_restore_from_bit16_weights``, which ZeRO-3's optimizer-less wrapper
+    lacks): it is consolidated once into one fp32 file (``<dir>.fp32.ckpt``, rank 0) and loaded as full weights."""
+    if not ckpt or "DeepSpeed" not in type(trainer.strategy).__name__ or not Path(ckpt).is_dir():
+        return ckpt
+    from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+    out = str(Path(ckpt).with_name(Path(ckpt).name + ".fp32.ckpt"))
+    if trainer.global_rank == 0 and not Path(out).exists():
+        convert_zero_checkpoint_to_fp32_state_dict(ckpt, out)
+    trainer.strategy.barrier("consolidated checkpoint")
+    trainer.strategy.load_full_weights = True
+    return out
 
 
 def _print_table(cfg, metrics: dict, out_dir: Path) -> None:

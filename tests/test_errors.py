@@ -159,7 +159,7 @@ def test_deepspeed_on_cpu_allowed_only_when_asked(tmp_path):
     from runner import check_config
 
     cfg = compose("lm_tiny", ["trainer=deepspeed_zero3", "trainer.accelerator=cpu", "+allow_deepspeed_cpu=true",
-                              "trainer.strategy._target_=tests.deepspeed_cpu.CPUDeepSpeedStrategy"])
+                              "trainer.strategy._target_=callbacks.deepspeed_cpu.CPUDeepSpeedStrategy"])
     check_config(cfg)  # the test-only escape hatch passes the check
 
 

@@ -1,4 +1,4 @@
-"""HiCI's HiCI-only gradient clip under DeepSpeed ZeRO (CPU processes through tests/deepspeed_cpu.py).
+"""HiCI's HiCI-only gradient clip under DeepSpeed ZeRO (CPU processes through callbacks/deepspeed_cpu.py).
 
 Under ZeRO-2/3 ``p.grad`` is not the full gradient and Lightning's DeepSpeed precision plugin ignores clipping, so
 the module reads and writes full gradients with ``safe_get_full_grad`` / ``safe_set_full_grad``. With plain SGD
@@ -20,7 +20,7 @@ def test_hici_clip_survives_deepspeed_zero(stage, tmp_path):
     from functools import partial
 
     from lightning_modules.hici.module import HiCILongContextLM, is_hici_param
-    from tests.deepspeed_cpu import CPUDeepSpeedStrategy
+    from callbacks.deepspeed_cpu import CPUDeepSpeedStrategy
 
     os.environ.setdefault("MASTER_PORT", str(29500 + stage))
     spec = dict(family="llama", pretrained=None, dtype="float32", attn_implementation="sdpa",

@@ -1,4 +1,4 @@
-"""The RL module's gradient clip under DeepSpeed ZeRO (CPU processes through tests/deepspeed_cpu.py).
+"""The RL module's gradient clip under DeepSpeed ZeRO (CPU processes through callbacks/deepspeed_cpu.py).
 
 Manual optimisation forbids ``trainer.gradient_clip_val``, so Lightning would configure the engine with
 ``gradient_clipping: 0`` (no clip) while the module skips its own clip under ZeRO (partitioned gradients). The
@@ -21,7 +21,7 @@ def test_rl_clip_reaches_deepspeed_engine(stage, tmp_path):
     import lightning as L
 
     from lightning_modules.common.rl.module import RLModule
-    from tests.deepspeed_cpu import CPUDeepSpeedStrategy
+    from callbacks.deepspeed_cpu import CPUDeepSpeedStrategy
 
     os.environ.setdefault("MASTER_PORT", str(29510 + stage))
     spec = dict(family="llama", pretrained=None, dtype="float32", attn_implementation="sdpa",
@@ -75,9 +75,14 @@ def test_deepspeed_clip_conflict_is_one_line():
         pass
 
     m = RLModule(dict(family="llama", pretrained=None), max_grad_norm=1.0)
-    m._trainer = SimpleNamespace(strategy=DeepSpeedStrategy(config={"gradient_clipping": 0.3}))
+    m._trainer = SimpleNamespace(strategy=DeepSpeedStrategy(config={"gradient_clipping": 0.3}), gradient_clip_val=None)
     with pytest.raises(ValueError, match="set only model.max_grad_norm"):
         m.setup("fit")
     m._trainer.strategy.config = {}
+    m.setup("fit")
+    assert m._trainer.strategy.config["gradient_clipping"] == 1.0
+    # at ZeRO-3 the config is already formatted when setup runs (callbacks.deepspeed_hf.HFZero3Init): Lightning wrote
+    # its own default, trainer.gradient_clip_val or 0.0 (null under manual optimisation); that is no conflict
+    m._trainer.strategy.config = {"gradient_clipping": 0.0}
     m.setup("fit")
     assert m._trainer.strategy.config["gradient_clipping"] == 1.0

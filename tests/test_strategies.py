@@ -23,7 +23,7 @@ STRATEGIES = {
     "ddp": ["trainer=ddp"],
     "fsdp2": ["trainer=fsdp"],
     "deepspeed_zero3": ["trainer=deepspeed_zero3", "trainer.accelerator=cpu", "trainer.devices=2",
-                        "trainer.precision=32-true", "trainer.strategy._target_=tests.deepspeed_cpu.CPUDeepSpeedStrategy",
+                        "trainer.precision=32-true", "trainer.strategy._target_=callbacks.deepspeed_cpu.CPUDeepSpeedStrategy",
                         "+allow_deepspeed_cpu=true"],
 }
 

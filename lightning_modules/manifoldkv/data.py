@@ -315,3 +315,29 @@ class RulerDataModule(L.LightningDataModule):
         self.setup()
         return DataLoader(self.samples, batch_size=self.batch_size, shuffle=False, collate_fn=_first,
                           num_workers=self.num_workers)
+
+
+# --- the dry run's miniature of kvpress's RULER layout (datamodules/common/miniature.py) ---------------------------
+from datamodules.common.miniature import register_layout, write_jsonl  # noqa: E402
+
+
+@register_layout("ruler")
+def write_ruler_miniature(target: Path, cfg) -> None:
+    """``<target>/<length>/test.jsonl`` for each of ``data.lengths``: two records per RULER task with kvpress's fields
+    (``context``, ``question``, ``answer_prefix``, ``answer`` as a list, ``task``, ``max_new_tokens``); the context is
+    filler of about ``length`` tokens with the needle line at a seeded depth."""
+    rng = random.Random(0)
+    budget = {"niah": 128, "vt": 30, "cwe": 120, "fwe": 50, "qa": 32}
+    for n in cfg.data.lengths:
+        records = []
+        for i in range(2):
+            for task in RULER_TASKS:
+                key, value = _key(rng), _number(rng)
+                units = [FILLER.strip()] * max(1, int(n) // 24)
+                units.insert(rng.randrange(len(units) + 1), f"One of the special magic numbers for {key} is: {value}.")
+                records.append({"context": " ".join(units), "task": task, "answer": [value],
+                                "question": f" What is the special magic number for {key} mentioned in the provided text?",
+                                "answer_prefix": f" The special magic number for {key} mentioned in the provided text is",
+                                "max_new_tokens": budget[task.split("_")[0]]})
+        (target / str(n)).mkdir(parents=True, exist_ok=True)
+        write_jsonl(target / str(n) / "test.jsonl", records)

@@ -166,7 +166,10 @@ class RLModule(TestIsValidation, CausalLMModule):
         strategy = self.trainer.strategy
         if "DeepSpeed" in type(strategy).__name__ and strategy.config is not None:  # before the engine is built
             clip = float(self.max_grad_norm or 0.0)
-            if strategy.config.get("gradient_clipping", clip) != clip:
+            # at ZeRO-3 the config is formatted before this hook (callbacks.deepspeed_hf): Lightning's own default,
+            # trainer.gradient_clip_val or 0.0, is no setting of the user's
+            lightning_default = float(getattr(self.trainer, "gradient_clip_val", None) or 0.0)
+            if strategy.config.get("gradient_clipping", clip) not in (clip, lightning_default):
                 raise ValueError(f"the DeepSpeed config's gradient_clipping={strategy.config['gradient_clipping']} "
                                  f"differs from model.max_grad_norm={self.max_grad_norm}: set only model.max_grad_norm")
             strategy.config["gradient_clipping"] = clip

@@ -1,4 +1,5 @@
-"""Lightning's DeepSpeedStrategy on CPU processes, for tests only (DeepSpeed itself trains on CPU with gloo).
+"""Lightning's DeepSpeedStrategy on CPU processes, for tests and ``debug=dryrun`` (DeepSpeed itself trains on CPU
+with gloo).
 
 Lightning refuses a CPU accelerator for DeepSpeed; three overrides lift that:
 
@@ -9,10 +10,10 @@ Lightning refuses a CPU accelerator for DeepSpeed; three overrides lift that:
 
 and, for validate/test without an optimizer, ``_initialize_deepspeed_inference`` gets the same device-rank fix.
 
-Use from a config (runner.check_config refuses DeepSpeed on CPU unless told this is a test)::
+Use from a config (runner.check_config refuses DeepSpeed on CPU unless told this is a test or a dry run)::
 
     python run.py experiment=lm_tiny trainer=deepspeed_zero3 trainer.accelerator=cpu trainer.devices=2 \
-        trainer.precision=32-true trainer.strategy._target_=tests.deepspeed_cpu.CPUDeepSpeedStrategy \
+        trainer.precision=32-true trainer.strategy._target_=callbacks.deepspeed_cpu.CPUDeepSpeedStrategy \
         +allow_deepspeed_cpu=true
 
 with ``DS_ACCELERATOR=cpu`` in the environment (set here too, before DeepSpeed is imported) and
@@ -24,7 +25,8 @@ import argparse
 import os
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/paperlab/torch_extensions"))
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(
+    os.environ.get("PAPERLAB_CACHE", os.path.expanduser("~/.cache/paperlab")), "torch_extensions"))
 
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy  # noqa: E402
 from lightning.fabric.utilities.seed import reset_seed  # noqa: E402
