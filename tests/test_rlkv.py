@@ -275,8 +275,11 @@ def test_batch_advantage_normalisation_is_token_weighted():
     lengths = torch.tensor([3, 5, 2, 7, 1, 4, 6, 2])
     a = batch_normalize(grpo_advantages(r, 4), lengths, eps=0.0)
     w = lengths.float() / lengths.sum()
+    n = float(lengths.sum())
     assert float((w * a).sum()) == pytest.approx(0.0, abs=1e-6)
-    assert float((w * a ** 2).sum()) == pytest.approx(1.0, rel=1e-5)
+    assert float((w * a ** 2).sum()) == pytest.approx((n - 1) / n, rel=1e-5)  # AReaL's unbiased token std
+    a_pop = batch_normalize(grpo_advantages(r, 4), lengths, eps=0.0, unbiased=False)
+    assert float((w * a_pop ** 2).sum()) == pytest.approx(1.0, rel=1e-5)
 
 
 def test_gates_stay_in_unit_interval_after_a_step_at_lr_100(monkeypatch):
@@ -386,3 +389,58 @@ def test_masks_in_every_form_give_the_same_keys():
     assert torch.equal(allowed_keys(additive, 6, 6, "cpu"), ref) and torch.equal(allowed_keys(pad, 6, 6, "cpu"), ref)
     # padding queries see only themselves; real ones their real causal past
     assert ref[0, 0, 0].nonzero().flatten().tolist() == [0] and ref[0, 0, 4].nonzero().flatten().tolist() == [2, 3, 4]
+
+
+# --- the release's recipe (issue 38) -----------------------------------------------------------------------------
+def planted_rollouts(rewards, lengths, group_size, prompt_len=2):
+    """Rollouts with the given rewards and response lengths (token ids are irrelevant to advantages)."""
+    from lightning_modules.common.rl.rollouts import Rollouts
+
+    lengths = torch.as_tensor(lengths)
+    T = int(lengths.max())
+    rmask = (torch.arange(T)[None] < lengths[:, None]).float()
+    N = len(lengths)
+    ids = torch.full((N, prompt_len + T), 5, dtype=torch.long)
+    am = torch.cat([torch.ones(N, prompt_len, dtype=torch.long), rmask.long()], 1)
+    ro = Rollouts(ids, am, prompt_len, rmask, group_size, ["x"] * N)
+    ro.rewards = torch.as_tensor(rewards, dtype=torch.float32)
+    return ro
+
+
+def recipe_module(monkeypatch, ro, *overrides):
+    """The paper-scale probe's model config (rlkv_r1_llama8b), its rollout step fed the planted rollouts."""
+    from types import SimpleNamespace
+
+    from hydra.utils import instantiate
+
+    from lightning_modules.common.rl import module as core
+    from runner import compose
+
+    module = instantiate(compose("rlkv_r1_llama8b", list(overrides)).model)
+    monkeypatch.setattr(core, "generate_rollouts", lambda *a, **k: planted_rollouts(ro.rewards, ro.lengths, 4))
+    module.get_tokenizer = lambda: SimpleNamespace(eos_token_id=1, pad_token_id=0)
+    monkeypatch.setattr(type(module), "score", lambda self, r, batch: ro.rewards.clone())
+    return module
+
+
+def test_advantages_are_the_reward_normalised_over_the_batch_only_as_the_recipe(monkeypatch):
+    """32 prompts x G 4 at accuracy 0.70: the recipe (AReaL adv_norm at batch level, no reward_norm) gives every token
+    (r - mean) / (unbiased token std + 1e-5); an all-correct group is pushed up, not to ~0 as group normalisation
+    does. ``model.advantage=grpo`` keeps group-then-batch as a switch."""
+    import numpy as np
+
+    per_group = [4] * 12 + [3] * 10 + [2] * 6 + [0] * 4
+    r = [float(i < c) for c in per_group for i in range(4)]
+    lengths = [10 + (i % 7) for i in range(128)]
+    ro = planted_rollouts(r, lengths, 4)
+    batch = {"prompt_ids": [[5, 5]] * 32, "prompt": ["q"] * 32, "answer": ["1"] * 32}
+    got = recipe_module(monkeypatch, ro).rollout(batch).advantages
+    tok = np.repeat(np.array(r), lengths)  # one value per response token, as AReaL normalises
+    ref = (np.array(r) - tok.mean()) / (tok.std(ddof=1) + 1e-5)
+    np.testing.assert_allclose(got.numpy(), ref, rtol=1e-5, atol=1e-6)
+    assert float(got[:48].min()) > 0.6  # all-correct groups: +0.65 per token
+
+    grouped = recipe_module(monkeypatch, ro, "model.advantage=grpo").rollout(batch).advantages
+    assert float(grouped[:48].abs().max()) < 0.05  # group then batch: an all-correct group gets ~0
+    flipped = float(((got > 0) != (grouped > 0)).float().mean())
+    assert flipped > 0.1  # a sizeable share of the rollouts change sign between the two
