@@ -286,7 +286,7 @@ def test_gates_stay_in_unit_interval_after_a_step_at_lr_100(monkeypatch):
     from lightning_modules.common.rl import module as rl_module
     from lightning_modules.rlkv.mixed_attention import MixedAttention as MA
 
-    m = RLKVModule(backbone={"family": "llama"}, reg_scale=1.0, tau=0.0)
+    m = RLKVModule(backbone={"family": "llama"}, reg_scale=1.0, tau=0.0, penalty_scope="batch")
     m.mixed = MA(2, 2)
     opt = torch.optim.SGD(m.mixed.parameters(), lr=100.0)
 
@@ -296,8 +296,8 @@ def test_gates_stay_in_unit_interval_after_a_step_at_lr_100(monkeypatch):
         return 0.0
 
     monkeypatch.setattr(rl_module.RLModule, "_step", plain_step)
-    m._raw_mean = 1.0
-    m.regularizer(None).backward()  # the penalty alone pushes every gate down by lr * grad >> 1
+    m._raw = torch.ones(4)
+    m.regularizer(None, torch.arange(4)).backward()  # the penalty alone pushes every gate down by lr * grad >> 1
     m._step()
     assert float(m.mixed.gates.min()) == 0.0 and float(m.mixed.gates.max()) <= 1.0
     (-m.mixed.gates.sum()).backward()  # and up
@@ -444,3 +444,39 @@ def test_advantages_are_the_reward_normalised_over_the_batch_only_as_the_recipe(
     assert float(grouped[:48].abs().max()) < 0.05  # group then batch: an all-correct group gets ~0
     flipped = float(((got > 0) != (grouped > 0)).float().mean())
     assert flipped > 0.1  # a sizeable share of the rollouts change sign between the two
+
+
+def test_ffd_micro_batches_follow_areals_first_fit_decreasing():
+    from lightning_modules.rlkv.module import ffd_micro_batches
+
+    # 5000 opens; 4000 fits nowhere; 3000 joins 4000; 2000 joins 5000; 1000 fits nowhere (both at 7000)
+    assert sorted(ffd_micro_batches([5000, 4000, 3000, 2000, 1000], 7680)) == [[0, 3], [1, 2], [4]]
+    # equal lengths pair up in index order; min_groups opens that many first
+    assert ffd_micro_batches([3000] * 6, 7680) == [[0, 1], [2, 3], [4, 5]]
+    assert len(ffd_micro_batches([100] * 6, 7680, min_groups=3)) == 3
+    assert ffd_micro_batches([9000, 10], 7680) == [[0], [1]]  # over capacity: alone
+
+
+@pytest.mark.parametrize("scope", ["microbatch", "batch"])
+def test_penalty_per_micro_batch_weighted_by_token_share_stays_on_below_tau(scope):
+    """Planted: 10 rollouts of 100 prompt + 2900 response tokens, two per 7,680-token micro-batch, rewards
+    (1,1)(1,0)(0,0)(0,0)(0,0) (accuracy 0.3 < τ 0.5). The release's form: only the all-correct micro-batch is above τ
+    and weighs 2/10 of the tokens, so the multiplier is 0.2 (e − 1); one batch mean switches the penalty off."""
+    from lightning_modules.rlkv.mixed_attention import MixedAttention as MA
+
+    raw = torch.tensor([1.0, 1, 1, 0, 0, 0, 0, 0, 0, 0])
+    ro = planted_rollouts(raw, [2900] * 10, 2, prompt_len=100)
+    m = RLKVModule(backbone={"family": "llama"}, reg_scale=1e-3, tau=0.5, penalty_scope=scope)
+    m.mixed = MA(2, 2)
+    with torch.no_grad():
+        m.mixed.gates.copy_(torch.tensor([[0.2, 0.9], [0.5, 1.0]]))
+    m._raw = raw
+    pen = m.regularizer(ro, torch.arange(10))
+    expected = 1e-3 * 0.2 * (math.e - 1) * 0.65 if scope == "microbatch" else 0.0
+    assert float(pen) == pytest.approx(expected, rel=1e-6, abs=1e-12)
+    # the token share, not the row count, weighs a micro-batch: rows 0-2 (all correct, 3000 + 3000 + 1100 tokens)
+    # pack into one, the other seven (1100 each, all wrong) into two more
+    ro_long = planted_rollouts(raw, [2900, 2900] + [1000] * 8, 2, prompt_len=100)
+    m.penalty_scope = "microbatch"
+    w = float(m.regularizer(ro_long, torch.arange(10))) / (1e-3 * 0.65)
+    assert w == pytest.approx(6800 / 13800 * (math.e - 1), rel=1e-6)

@@ -161,9 +161,9 @@ class RLModule(TestIsValidation, CausalLMModule):
         """Kept response tokens per trajectory (N,) and per-token weights (N, T); full trajectories here."""
         return ro.lengths, ro.response_mask.clone()
 
-    def regularizer(self, ro: Rollouts) -> torch.Tensor | None:
-        """An extra loss term backpropagated once per minibatch, before its optimizer step (None: none; RLKV's
-        reward-gated L1 on its gates)."""
+    def regularizer(self, ro: Rollouts, rows: torch.Tensor) -> torch.Tensor | None:
+        """An extra loss term backpropagated once per minibatch (``rows`` of ``ro``), before its optimizer step
+        (None: none; RLKV's reward-gated L1 on its gates)."""
         return None
 
     needs_hidden = False  # True: the π_old pass also keeps the last layer's states for token_advantages
@@ -237,7 +237,7 @@ class RLModule(TestIsValidation, CausalLMModule):
                     with torch.no_grad():
                         stats["kl_old"] += float((k3_kl(logp, logp_old[rows, :n]) * (w > 0)).sum())
                 stats["loss"] += total
-                reg = self.regularizer(ro)
+                reg = self.regularizer(ro, mb)
                 if reg is not None:
                     self.manual_backward(reg)
                     stats["reg"] = stats.get("reg", 0.0) + float(reg.detach())

@@ -38,6 +38,17 @@ def all_sum(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def all_max(t: torch.Tensor) -> torch.Tensor:
+    """``t`` maximised over the ranks (a copy; ``t`` itself in a single process)."""
+    if not distributed():
+        return t
+    import torch.distributed as dist
+
+    out = t.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out
+
+
 def gather_objects(items: list) -> list:
     """``items`` of every rank, concatenated in rank order (this rank's alone when not distributed)."""
     if not distributed():
