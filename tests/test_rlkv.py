@@ -480,3 +480,26 @@ def test_penalty_per_micro_batch_weighted_by_token_share_stays_on_below_tau(scop
     m.penalty_scope = "microbatch"
     w = float(m.regularizer(ro_long, torch.arange(10))) / (1e-3 * 0.65)
     assert w == pytest.approx(6800 / 13800 * (math.e - 1), rel=1e-6)
+
+
+def test_top_k_reaches_the_sampler_and_each_recipe_samples_as_released():
+    """top_k=1 sampling is greedy whatever the temperature (the core passes top_k to generate); the Qwen3 probe samples
+    at T 0.6 / top-p 0.95 / top-k 20 (qwen3_grpo.yaml), the R1-distilled ones at T 1 (deepseek_grpo.yaml); AdamW weight
+    decay 0.017 in both recipes, on the gates (2-D, so in the decayed group)."""
+    from hydra.utils import instantiate
+
+    from lightning_modules.common.rl.rollouts import generate_rollouts
+    from runner import compose
+
+    model = tiny_llama(torch.float32)
+    torch.manual_seed(0)
+    sampled = generate_rollouts(model, [[5, 6, 7]], 4, 6, None, 0, temperature=1.5, top_k=1)
+    greedy = generate_rollouts(model, [[5, 6, 7]], 1, 6, None, 0, temperature=0.0)
+    assert all(torch.equal(row, greedy.input_ids[0]) for row in sampled.input_ids)
+    qwen3, llama = (instantiate(compose(e).model) for e in ("rlkv_qwen3_4b_thinking", "rlkv_r1_llama8b"))
+    assert (qwen3.temperature, qwen3.top_p, qwen3.top_k) == (0.6, 0.95, 20)
+    assert (llama.temperature, llama.top_p, llama.top_k) == (1.0, 1.0, 0)
+    for m in (qwen3, llama):
+        m.mixed = MixedAttention(2, 2)
+        decayed = next(g for g in m.param_groups() if any(p is m.mixed.gates for p in g["params"]))
+        assert decayed["weight_decay"] == pytest.approx(0.017)

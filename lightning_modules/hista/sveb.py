@@ -83,7 +83,7 @@ class SVEBModule(HistaModule):
     def sample(self, prompt_ids, prompt: str, answer: str, n: int, max_new: int, prefix_text: str = ""):
         tok = self.get_tokenizer()
         ro = generate_rollouts(self.model, [prompt_ids], n, max_new, tok.eos_token_id, tok.pad_token_id,
-                               self.temperature, self.top_p, tokenizer=tok)
+                               self.temperature, self.top_p, tokenizer=tok, top_k=self.top_k)
         r = self.reward([prompt] * n, [prefix_text + c for c in ro.completions], [answer] * n, device=self.device)
         ro.rewards = (r.float() > 0.5).float().to(ro.input_ids.device)  # binarised
         return ro

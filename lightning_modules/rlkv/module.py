@@ -188,7 +188,8 @@ class RLKVModule(GatedModelMixin, RLModule):
         for start in range(0, len(items), self.micro_batch_size):
             batch = collate(items[start:start + self.micro_batch_size])
             ro = generate_rollouts(self.model, batch["prompt_ids"], self.group_size, self.max_new_tokens,
-                                   tok.eos_token_id, tok.pad_token_id, self.temperature, self.top_p, tokenizer=tok)
+                                   tok.eos_token_id, tok.pad_token_id, self.temperature, self.top_p, tokenizer=tok,
+                                   top_k=self.top_k)
             solved = super().score(ro, batch).view(-1, self.group_size).amax(1) > 0.5
             kept += [it for it, s in zip(batch_items(batch), solved) if s]
         if not kept:

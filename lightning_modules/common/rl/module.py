@@ -85,7 +85,7 @@ class RLModule(TestIsValidation, CausalLMModule):
                  beta: float = 0.0, max_grad_norm: float | None = 1.0, warmup: Mapping[str, Any] | None = None,
                  val_max_new_tokens: int | None = None, measure_activations: bool = False, packing: bool = False,
                  reward: Callable | None = None,
-                 advantage_batch_norm: bool = False, loss_type: str = "ppo"):
+                 advantage_batch_norm: bool = False, loss_type: str = "ppo", top_k: int = 0):
         super().__init__(backbone, optimizer, scheduler, weight_decay)
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"model.loss_type={loss_type!r}: choose one of {', '.join(LOSS_TYPES)}")
@@ -100,7 +100,7 @@ class RLModule(TestIsValidation, CausalLMModule):
             raise ValueError("model.advantage=rloo needs model.group_size >= 2")
         self.automatic_optimization = False
         self.advantage, self.aggregation, self.group_size = advantage, aggregation, group_size
-        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
         self.ppo_epochs, self.minibatches, self.micro_batch_size = ppo_epochs, minibatches, micro_batch_size
         self.eps_low, self.eps_high, self.beta, self.max_grad_norm = eps_low, eps_high, beta, max_grad_norm
         self.warmup = _plain(warmup) if warmup else None
@@ -182,7 +182,7 @@ class RLModule(TestIsValidation, CausalLMModule):
     def rollout(self, batch) -> Rollouts:
         tok = self.get_tokenizer()
         ro = generate_rollouts(self.model, batch["prompt_ids"], self.group_size, self.max_new_tokens, tok.eos_token_id,
-                               tok.pad_token_id, self.temperature, self.top_p, tokenizer=tok)
+                               tok.pad_token_id, self.temperature, self.top_p, tokenizer=tok, top_k=self.top_k)
         ro.rewards = self.score(ro, batch)
         ro.advantages = compute_advantages(self.advantage, ro.rewards, self.group_size)
         if self.advantage_batch_norm:  # then over the whole batch, token-weighted (AReaL's adv_norm)

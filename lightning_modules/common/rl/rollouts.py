@@ -86,8 +86,10 @@ def response_mask_from(responses: torch.Tensor, eos_id: int | None) -> torch.Ten
 
 @torch.no_grad()
 def generate_rollouts(model, prompts: list[list[int]], group_size: int, max_new_tokens: int, eos_id: int | None,
-                      pad_id: int, temperature: float = 1.0, top_p: float = 1.0, tokenizer=None) -> Rollouts:
-    """G samples per prompt from ``model`` (the frozen old policy: no gradient, eval mode), padding handled."""
+                      pad_id: int, temperature: float = 1.0, top_p: float = 1.0, tokenizer=None,
+                      top_k: int = 0) -> Rollouts:
+    """G samples per prompt from ``model`` (the frozen old policy: no gradient, eval mode), padding handled.
+    ``top_k`` 0: no top-k cut (transformers' own default would be 50)."""
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_id, device)
     was_training = model.training
@@ -96,7 +98,8 @@ def generate_rollouts(model, prompts: list[list[int]], group_size: int, max_new_
 
     synced = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     greedy = temperature == 0
-    kwargs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+    kwargs = (dict(do_sample=False) if greedy
+              else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=int(top_k)))
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                          num_return_sequences=1 if greedy else group_size, pad_token_id=pad_id, eos_token_id=eos_id,
                          synced_gpus=synced, **kwargs)
