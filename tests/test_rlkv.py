@@ -503,3 +503,39 @@ def test_top_k_reaches_the_sampler_and_each_recipe_samples_as_released():
         m.mixed = MixedAttention(2, 2)
         decayed = next(g for g in m.param_groups() if any(p is m.mixed.gates for p in g["params"]))
         assert decayed["weight_decay"] == pytest.approx(0.017)
+
+
+def test_press_generate_follows_the_release_protocol(prompt):
+    """RLKV's eval/bench/pred.py: each row generates up to max_length - its prompt length; the last prompt tokens are
+    decoded one at a time (exact without a press, through the window with one); degenerate repetition stops a row."""
+    from lightning_modules.rlkv.evaluation import press_generate
+
+    model = tiny_llama(torch.float64)
+    ids, mask = prompt
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]  # 20 and 15 tokens
+    out = press_generate(model, None, prompts, 100, eos_id=None, pad_id=0, max_length=24)
+    assert out["tokens"].shape == (2, 9)
+    for p, row, n in zip(prompts, out["tokens"], (4, 9)):
+        with torch.no_grad():
+            ref = model.generate(input_ids=torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                                 eos_token_id=None)[0, len(p):]
+        assert torch.equal(row[:n], ref) and not row[n:].any()  # then padding
+    sim = press_generate(model, None, prompts, 6, None, 0, decode_simulation=50)  # capped at the shortest - 1
+    assert torch.equal(sim["tokens"], press_generate(model, None, prompts, 6, None, 0)["tokens"])
+    press = HeadMixedPress(source="all_streaming", sink=2, recent=4)
+    with_sim = press_generate(model, press, prompts[:1], 6, None, 0, decode_simulation=10, targets=out["tokens"][:1])
+    without = press_generate(model, press, prompts[:1], 6, None, 0, targets=out["tokens"][:1])
+    assert with_sim["nll"] != pytest.approx(without["nll"], rel=1e-6)  # the tail saw the window, not the whole prompt
+    assert with_sim["kv_kept_fraction"] == pytest.approx(without["kv_kept_fraction"])
+
+    class Constant(torch.nn.Module):  # a head that always predicts token 7: endless repetition
+        def forward(self, h):
+            out = torch.zeros(*h.shape[:-1], 61, dtype=h.dtype)
+            out[..., 7] = 1.0
+            return out
+
+    model.lm_head = Constant()
+    rep = press_generate(model, None, prompts, 100, None, 0, repeat_window=20)
+    assert [len(c) for c in rep["completions"]] == [40, 40]  # first checked at 40 (past one window): 1 distinct < 2
+    assert [len(c) for c in press_generate(model, None, prompts, 30, None, 0)["completions"]] == [30, 30]
+    assert press_generate(model, None, prompts, 30, [3, 7], 0)["completions"] == [[], []]  # any EOS of a list stops
