@@ -406,3 +406,103 @@ def test_value_head_cv_picks_a_strong_ridge_for_noise_and_a_weak_one_for_signal(
     assert head.ridge >= 1e2 and (head(X) - noise.mean()).abs().max() < 0.1
     signal = X @ torch.randn(20)
     assert ValueHead(20).fit_cv(X, signal, groups).ridge <= 1e-1
+
+
+# --- the release's recipe (issue 38) ------------------------------------------------------------------------------
+CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_paper_scale_prompts_are_the_chat_template_with_the_release_system_prompt(tmp_path, tiny_tokenizer):
+    """Both releases render prompts with the tokenizer's chat template (Hista adds its system prompt): the datamodule's
+    prompt and ids equal apply_chat_template on a saved tokenizer; the tiny runs keep "Question: ...\\nAnswer:"."""
+    from datamodules.common.tokenizer import load_tokenizer
+    from datamodules.verifiable import PROMPT, VerifiableDataModule
+    from runner import compose
+
+    tiny_tokenizer.chat_template = CHAT
+    tiny_tokenizer.save_pretrained(tmp_path / "tok")
+    tok = load_tokenizer(pretrained=str(tmp_path / "tok"))
+    dm = VerifiableDataModule(tok, task="arithmetic", digits=1, n_val=4, n_test=4, chat_template=True,
+                              system_prompt="Box it.")
+    dm.setup()
+    item = dm.train_set[0]
+    messages = [{"role": "system", "content": "Box it."}, {"role": "user", "content": item["question"]}]
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert item["prompt"] == rendered and rendered.startswith("<|system|>Box it.")
+    assert item["prompt_ids"] == tok(rendered, add_special_tokens=False)["input_ids"]
+    plain = VerifiableDataModule(tok, task="arithmetic", digits=1, n_val=4, n_test=4)
+    plain.setup()
+    assert plain.train_set[0]["prompt"] == PROMPT.format(q=plain.train_set[0]["question"])
+    tiny_tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        VerifiableDataModule(tiny_tokenizer, task="arithmetic", digits=1, chat_template=True).setup()
+    for experiment in ("hista_qwen25_3b", "sveb_qwen25_3b"):
+        data = compose(experiment).data
+        assert data.chat_template and data.system_prompt.startswith("A conversation between a User and an Assistant")
+        assert data.system_prompt.endswith("in \\boxed{}.")
+    assert not compose("hista_tiny").data.chat_template
+
+
+def test_math_verify_reward_is_symbolic_equivalence_of_the_boxed_answer():
+    """The release's accuracy reward: \\frac12 = 0.5 = \\dfrac{1}{2}; the completion's answer must be boxed or
+    announced (no anchor-less guess); a GSM8K-style gold works; exact match cannot see the equivalences."""
+    from lightning_modules.common.rl.rewards import exact_match_reward, math_equivalence_reward
+    from lightning_modules.common.rl.scorers import MathEquivalence
+
+    assert math_equivalence_reward("so it is \\boxed{\\frac{1}{2}}", "0.5") == 1.0
+    assert math_equivalence_reward("\\boxed{0.5}", "\\dfrac{1}{2}") == 1.0
+    assert exact_match_reward("\\boxed{0.5}", "\\dfrac{1}{2}") == 0.0
+    assert math_equivalence_reward("\\boxed{x^2 + 2x + 1}", "(x+1)^2") == 1.0
+    assert math_equivalence_reward("The answer is \\boxed{7}", "3 + 4 = 7\n#### 7") == 1.0
+    assert math_equivalence_reward("\\boxed{8}", "7") == 0.0
+    assert math_equivalence_reward("3 + 4 = 7, I think 7", "7") == 0.0  # no box, no anchor
+    assert MathEquivalence()(["q"] * 2, ["\\boxed{2/4}", "\\boxed{3}"], ["\\frac{1}{2}", "4"]).tolist() == [1.0, 0.0]
+
+
+def test_hista_recipe_runs_the_release_batch_and_sveb_its_instruct_model():
+    """scripts/train/80G/math/train_qwen2.5-3B.sh: 2 processes x 4 per device x 16 accumulated = 128 completions (4
+    prompts of G 32) per optimizer step, 8 served for dynamic sampling x2, 4 PPO epochs: ~3,750 steps per epoch of
+    7,500 problems; math-verify reward. SVEB: Qwen2.5-3B-Instruct, the stratified math draw, math-verify."""
+    from runner import compose
+
+    cfg = compose("hista_qwen25_3b")
+    per_step = cfg.data.batch_size * cfg.trainer.devices
+    assert per_step * cfg.model.group_size == 128 and cfg.data.dynamic_sampling_scale == 2
+    served = per_step * cfg.data.dynamic_sampling_scale
+    assert abs(cfg.trainer.max_steps - 7500 / served * cfg.model.ppo_epochs) <= cfg.model.ppo_epochs
+    assert cfg.model.reward._target_.endswith("MathEquivalence")
+    sveb = compose("sveb_qwen25_3b")
+    assert sveb.backbone.pretrained == "Qwen/Qwen2.5-3B-Instruct"
+    assert sveb.data._target_.endswith("SVEBDataModule") and sveb.model.reward._target_.endswith("MathEquivalence")
+
+
+def test_sveb_problems_are_drawn_per_pass_rate_tier(tmp_path, tiny_tokenizer):
+    """The release's SVEB draw: per (lower, upper] pass-rate tier, per_tier problems (seeded), pass rates read from a
+    field or from the correct / wrong response lists; gold answers kept as stored."""
+    import json
+
+    from lightning_modules.hista.data import SVEBDataModule
+
+    rows = [{"problem": f"p{i}", "solution": f"\\frac{{{i}}}{{3}}", "pass_rate": i / 40} for i in range(40)]
+    rows += [{"problem": f"q{i}", "solution": "7", "correct_responses": ["a"] * i, "wrong_responses": ["b"] * (20 - i)}
+             for i in range(21)]
+    test = tmp_path / "sveb.jsonl"
+    test.write_text("\n".join(json.dumps(r) for r in rows))
+    train = tmp_path / "train.jsonl"
+    train.write_text(json.dumps({"problem": "t", "solution": "\\boxed{1}"}))
+    dm = SVEBDataModule(tiny_tokenizer, task="math", files=str(train), test_files=str(test), per_tier=3, n_test=None,
+                        val_fraction=0.0, val_files=str(train))
+    dm.setup()
+    picked = dm.test_set.items
+    assert len(picked) == 9
+    rate = {r["problem"]: r.get("pass_rate", len(r.get("correct_responses", [])) / 20) for r in rows}
+    tiers = [sum(lo < rate[it["question"]] <= hi for it in picked) for lo, hi in ((0.07, 0.17), (0.17, 0.37),
+                                                                                  (0.37, 0.77))]
+    assert tiers == [3, 3, 3]
+    stored = {r["problem"]: r["solution"] for r in rows}
+    assert all(it["answer"] == stored[it["question"]] for it in picked)
+    again = SVEBDataModule(tiny_tokenizer, task="math", files=str(train), test_files=str(test), per_tier=3,
+                           n_test=None, val_fraction=0.0, val_files=str(train))
+    again.setup()
+    assert [it["question"] for it in again.test_set.items] == [it["question"] for it in picked]

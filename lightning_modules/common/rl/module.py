@@ -175,7 +175,9 @@ class RLModule(TestIsValidation, CausalLMModule):
 
     # --- one RL step -----------------------------------------------------------------------------
     def score(self, ro: Rollouts, batch) -> torch.Tensor:
-        prompts, golds = ([x for x in batch[k] for _ in range(ro.group_size)] for k in ("prompt", "answer"))
+        # the bare question (a reward model applies its own chat template), the prompt for data without one
+        key = "question" if "question" in batch else "prompt"
+        prompts, golds = ([x for x in batch[k] for _ in range(ro.group_size)] for k in (key, "answer"))
         r = self.reward(prompts, ro.completions, golds, device=ro.input_ids.device)
         return r.to(ro.input_ids.device, torch.float32)
 

@@ -6,6 +6,9 @@ names the evaluation metric its mean reward is logged as (``val/<metric>``):
 
 - :class:`ExactMatch` (``model/reward=exact_match``, default): the verifiable reward, 1 when the completion's
   final answer equals the gold one (``rewards.exact_match_reward``); metric ``accuracy``.
+- :class:`MathEquivalence` (``model/reward=math_verify``): 1 when the completion's answer equals the gold one
+  symbolically (``rewards.math_equivalence_reward``, ``math-verify``: the released math recipes' reward); metric
+  ``accuracy``.
 - :class:`RewardModel` (``model/reward=reward_model``): RLHF, a sequence-classification reward model (one logit)
   from a local directory scores prompt + completion; gold answers are ignored; metric ``reward``. It is loaded on
   first use, per rank, frozen and outside the policy's module tree (not trained, not checkpointed).
@@ -17,7 +20,7 @@ from typing import Any
 
 import torch
 
-from lightning_modules.common.rl.rewards import exact_match_reward
+from lightning_modules.common.rl.rewards import exact_match_reward, math_equivalence_reward
 
 
 @dataclass
@@ -29,10 +32,19 @@ class ExactMatch:
 
 
 @dataclass
+class MathEquivalence:
+    metric: str = "accuracy"
+
+    def __call__(self, prompts: list[str], completions: list[str], answers: list[str], device=None) -> torch.Tensor:
+        return torch.tensor([math_equivalence_reward(c, a) for c, a in zip(completions, answers)])
+
+
+@dataclass
 class RewardModel:
-    """``path``: a transformers ``AutoModelForSequenceClassification`` directory with its tokenizer.
-    ``chat_template``: score ``[user: prompt, assistant: completion]`` through the reward model's chat template
-    (what chat reward models are trained on); else the plain text ``prompt + completion``, as the policy saw it."""
+    """``path``: a transformers ``AutoModelForSequenceClassification`` directory with its tokenizer. ``prompts`` are
+    the bare questions (the data's ``question``). ``chat_template``: score ``[user: question, assistant: completion]``
+    through the reward model's chat template (what chat reward models are trained on); else the plain text
+    ``question + completion``."""
 
     path: str
     batch_size: int = 8
