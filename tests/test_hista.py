@@ -148,20 +148,20 @@ def test_prefix_distance_against_the_definition():
 
 def test_k_schedule_and_state_positions():
     assert k_schedule(10) == [66, 60, 54, 48, 42, 36, 30, 24, 18, 12]
-    assert state_positions(7, 120, 50) == [7, 57, 107, 126]
-    assert state_positions(7, 100, 50) == [7, 57, 106]
-    assert state_positions(7, 1, 50) == [7, 7]
+    assert state_positions(7, 120, 50, "response") == [7, 57, 107, 126]
+    assert state_positions(7, 100, 50, "response") == [7, 57, 106]
+    assert state_positions(7, 1, 50, "response") == [7, 7]
 
 
 def test_hista_two_identical_prefixes_give_the_weight_balanced_mean_and_future_is_masked():
     """Rollouts 0 (R=1) and 1 (R=0) share E up to state 1; a third (R=1) is far. With k = 2 the nearest two nodes
     are at distance 0, both clamped to d_min, so V_1 is their weight-balanced (here plain) mean 0.5."""
-    cfg = HistaConfig(alpha=0.7, mean_window=1, min_interval=4, d_min=1.0, max_k=2, min_k=2)
+    cfg = HistaConfig(alpha=0.7, mean_window=1, min_interval=4, d_min=1.0, max_k=2, min_k=2, state_grid="response")
     shared = torch.randn(8, 3)
     e0 = torch.cat([shared, torch.randn(4, 3)])          # 12 reps
     e1 = torch.cat([shared, torch.randn(4, 3) + 5.0])
     e2 = torch.randn(12, 3) + 40.0
-    pos = [state_positions(4, 8, 4)] * 3                 # prompt 4 + 8 response tokens: states at 4, 8, 11
+    pos = [state_positions(4, 8, 4, "response")] * 3     # prompt 4 + 8 response tokens: states at 4, 8, 11
     assert pos[0] == [4, 8, 11]
     chains = hista_values([e0, e1, e2], pos, torch.tensor([1.0, 0.0, 1.0]), cfg)
     assert chains[0].tolist() == pytest.approx([2 / 3, 0.5, 1.0])
@@ -184,7 +184,7 @@ def test_hista_future_nodes_are_infinite_and_never_selected(monkeypatch):
     e = torch.randn(12, 3)
     monkeypatch.setattr(H, "prefix_distances", spy)
     cfg = HistaConfig(alpha=0.7, mean_window=1, min_interval=2, d_min=1.0, max_k=66, min_k=6)
-    pos = [state_positions(2, 10, 2)] * 2  # states at 2, 4, 6, 8, 10, 11
+    pos = [state_positions(2, 10, 2, "response")] * 2  # states at 2, 4, 6, 8, 10, 11
     # rollout 1 (R = 0) is near; rollout 0's future nodes carry reward 1 at small D but must be masked: with k
     # covering every node, V_1 averages rollout 0's nodes of length <= its own plus all of rollout 1's
     v = H.hista_values([e, e + 0.5 * torch.randn(12, 3)], pos, torch.tensor([1.0, 0.0]), cfg)[0]
@@ -204,10 +204,10 @@ def test_hista_future_nodes_are_infinite_and_never_selected(monkeypatch):
 
 
 def test_hista_gae_on_tokens():
-    cfg = HistaConfig(alpha=0.7, mean_window=1, min_interval=3, d_min=1.0, max_k=4, min_k=2)
+    cfg = HistaConfig(alpha=0.7, mean_window=1, min_interval=3, d_min=1.0, max_k=4, min_k=2, zero_last_token=False)
     torch.manual_seed(1)
     reps = [torch.randn(10, 4) for _ in range(2)]
-    pos = [state_positions(2, 8, 3)] * 2  # [2, 5, 8, 9]
+    pos = [state_positions(2, 8, 3, "response")] * 2  # [2, 5, 8, 9]
     r = torch.tensor([1.0, 0.0])
     adv = hista_token_advantages(reps, pos, [2, 2], [8, 8], r, 10, cfg)
     chain = hista_values(reps, pos, r, cfg)[0]
@@ -506,3 +506,42 @@ def test_sveb_problems_are_drawn_per_pass_rate_tier(tmp_path, tiny_tokenizer):
                            n_test=None, val_fraction=0.0, val_files=str(train))
     again.setup()
     assert [it["question"] for it in again.test_set.items] == [it["question"] for it in picked]
+
+
+def test_state_grid_counts_from_the_prompt_start_as_released():
+    """The release's steps_selection lays the grid from the prompt's first token and starts the first state at the
+    response start: the first response segment is min_interval - (L_p mod min_interval) tokens, the others
+    min_interval, the last up to the last token; ``response`` lays it from the response start (the spec's reading)."""
+    assert state_positions(7, 120, 50) == [7, 50, 100, 126]
+    assert state_positions(57, 100, 50) == [57, 100, 150, 156]
+    assert state_positions(100, 60, 50) == [100, 150, 159]  # a prompt on the grid: a full first segment
+    assert state_positions(100, 1, 50) == [100, 100]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        P, n, mi = (int(torch.randint(1, 300, (1,), generator=g)), int(torch.randint(1, 400, (1,), generator=g)),
+                    int(torch.randint(2, 60, (1,), generator=g)))
+        pos = state_positions(P, n, mi)
+        assert pos[0] == P and pos[-1] == P + n - 1 and pos == sorted(pos)
+        inner = pos[1:-1]
+        assert all(p % mi == 0 for p in inner)  # multiples of the interval from the prompt's first token
+        if inner:
+            assert inner[0] - P == mi - P % mi and all(b - a == mi for a, b in zip(inner, inner[1:]))
+    with pytest.raises(ValueError, match="state_grid"):
+        state_positions(7, 10, 5, "tokens")
+
+
+def test_last_response_token_gets_zero_advantage_as_released():
+    """calculate_GAE_advantages ends its segments at the last token's index, so the last response token (usually
+    EOS) gets 0; every other token is unchanged. ``zero_last_token=False`` gives it R - V of its segment."""
+    torch.manual_seed(1)
+    reps = [torch.randn(12, 4) for _ in range(3)]
+    lengths = [9, 7, 9]
+    pos = [state_positions(3, n, 3) for n in lengths]
+    r = torch.tensor([1.0, 0.0, 1.0])
+    cfg = dict(alpha=0.7, mean_window=1, min_interval=3, d_min=1.0, max_k=4, min_k=2)
+    released = hista_token_advantages(reps, pos, [3] * 3, lengths, r, 10, HistaConfig(**cfg))
+    ours = hista_token_advantages(reps, pos, [3] * 3, lengths, r, 10, HistaConfig(**cfg, zero_last_token=False))
+    chains = hista_values(reps, pos, r, HistaConfig(**cfg))
+    for j, n in enumerate(lengths):
+        assert released[j, n - 1] == 0 and torch.allclose(ours[j, n - 1], r[j] - chains[j][-2])
+        assert torch.equal(released[j, :n - 1], ours[j, :n - 1]) and (released[j, n:] == 0).all()

@@ -6,13 +6,19 @@ Per rollout, over its unpadded prompt + response last-layer states h_t:
    output e_t / (1 − α^{t+1}). With ``h0`` the correction over-scales early tokens (constant 1, α = 0.7: 3.333,
    1.961, 1.522, …); kept for faithfulness.
 2. keep every ``mean_window``-th smoothed vector: E = (ẽ_0, ẽ_w, ẽ_2w, …).
-3. :func:`state_positions` — states every ``min_interval`` response tokens from the response start, plus the last
-   token; the prefix of a state at token index p is E[: p // w + 1].
+3. :func:`state_positions` — states every ``min_interval`` tokens plus the last token; the prefix of a state at token
+   index p is E[: p // w + 1]. ``state_grid``: ``prompt`` (default, the release's ``steps_selection``: the grid runs
+   from the prompt's first token, so the first response segment is min_interval − (L_p mod min_interval) tokens)
+   or ``response`` (from the response start, as the spec reads 3.3; on a recipe-like batch 92% of the tokens' advantages
+   differ between the two).
 4. Library: every (rollout of the group, state) with that rollout's return. :func:`prefix_distances` — mean
    nearest-neighbour distance from the longer prefix into the shorter; a same-rollout node longer than the online
    prefix is ∞ (future leakage). One cdist per pair of rollouts, cummin/cumsum give every prefix pair at once.
 5. :func:`hista_values` — intermediate state j (0-based, of M) averages the k_j = max_k − ⌊(max_k − min_k)/M⌋·j
-   nearest nodes with weights 1/max(D, d_min)^t. Values [group mean, V_1 … V_{m−1}, R], then GAE.
+   nearest nodes with weights 1/max(D, d_min)^t. Values [group mean, V_1 … V_{m−1}, R], then GAE over the segments
+   between states. ``zero_last_token`` (default, the release's ``calculate_GAE_advantages``: its segments end at the
+   last token's index, which so belongs to none) gives the last response token (usually EOS) advantage 0; off, it
+   gets R − V like the rest of its segment (the spec's reading).
 
 Recipe values (used by the configs): α 0.7, mean_window 5, min_interval 50, d_min 5, t 1, max_k 66, min_k 6, λ 1.
 The released dataclass defaults differ (α 0.97, mean_window 150, d_min 3); the recipes override them.
@@ -42,11 +48,20 @@ def ema_smooth(h: torch.Tensor, alpha: float, init: str = "h0") -> torch.Tensor:
     return out
 
 
-def state_positions(prompt_len: int, length: int, min_interval: int) -> list[int]:
-    """Token indices (in the unpadded prompt + response) of states p_0 … p_m: the response start, every
-    ``min_interval`` response tokens after it, and the last token."""
+STATE_GRIDS = ("prompt", "response")
+
+
+def state_positions(prompt_len: int, length: int, min_interval: int, grid: str = "prompt") -> list[int]:
+    """Token indices (in the unpadded prompt + response) of states p_0 … p_m: the response start, the grid points
+    after it, and the last token. ``grid``: ``prompt`` — multiples of ``min_interval`` counted from the prompt's first
+    token (the release); ``response`` — every ``min_interval`` tokens from the response start."""
+    if grid not in STATE_GRIDS:
+        raise ValueError(f"model.state_grid={grid!r}: choose prompt (the release) or response")
     last = prompt_len + length - 1
-    return (list(range(prompt_len, last, min_interval)) or [prompt_len]) + [last]
+    if grid == "response":
+        return (list(range(prompt_len, last, min_interval)) or [prompt_len]) + [last]
+    points = [g for g in range(0, last, min_interval) if g > prompt_len - min_interval]  # the first is <= prompt_len
+    return [prompt_len] + points[1:] + [last]
 
 
 def prefix_distances(online: torch.Tensor, library: torch.Tensor) -> torch.Tensor:
@@ -77,8 +92,12 @@ class HistaConfig:
     min_k: int = 6
     lam: float = 1.0
     ema_init: str = "h0"
+    state_grid: str = "prompt"
+    zero_last_token: bool = True
 
     def __post_init__(self):
+        if self.state_grid not in STATE_GRIDS:
+            raise ValueError(f"model.state_grid={self.state_grid!r}: choose prompt (the release) or response")
         if self.ema_init not in EMA_INITS:
             raise ValueError(f"model.ema_init={self.ema_init!r}: choose one of {', '.join(EMA_INITS)}")
         if isinstance(self.d_min, str) and self.d_min != "median":
@@ -147,6 +166,7 @@ def hista_token_advantages(reps, positions, prompt_lens, lengths, rewards, T: in
     chains = hista_values(reps, positions, rewards, cfg)
     rows = []
     for j, v in enumerate(chains):
-        bounds = [p - prompt_lens[j] for p in positions[j][:-1]] + [int(lengths[j])]
+        end = int(lengths[j]) - 1 if cfg.zero_last_token else int(lengths[j])  # the release: the last token is in none
+        bounds = [min(p - prompt_lens[j], end) for p in positions[j][:-1]] + [end]
         rows.append(segment_gae(v, bounds, T, cfg.lam))
     return torch.stack(rows)

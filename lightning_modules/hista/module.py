@@ -6,7 +6,8 @@ calls :meth:`HistaModule.token_advantages`; this class fills it in. ``estimator`
 - ``grpo``: R − group mean on every token (the baseline; GRPO's advantage once scaled).
 - ``numca``: values of the set of numbers written so far, from a per-problem table kept across steps
   (``numca.py``); positions are tokens (a number's first character → the token holding it, +1), ``merge_gap``.
-- ``hista``: values by k nearest prefixes of the group's own last-layer states (``hista.py``).
+- ``hista``: values by k nearest prefixes of the group's own last-layer states (``hista.py``; ``state_grid`` and
+  ``zero_last_token`` follow the release by default, see there).
 
 Both then take GAE over segments (λ = ``lam``, γ = 1) and divide by the group reward std + 1e-4
 (``scale_rewards: group|none``). Every rank generates all G rollouts of its prompts, so the group — Hista's
@@ -33,7 +34,7 @@ class HistaModule(RLModule):
     def __init__(self, *args, estimator: str = "hista", scale_rewards: str = "group", lam: float = 1.0,
                  alpha: float = 0.7, mean_window: int = 5, min_interval: int = 50, d_min: float | str | None = None,
                  power: float = 1.0, max_k: int = 66, min_k: int = 6, ema_init: str = "h0", merge_gap: int = 50,
-                 **kwargs):
+                 state_grid: str = "prompt", zero_last_token: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
         if estimator not in ESTIMATORS:
             raise ValueError(f"model.estimator={estimator!r}: choose one of {', '.join(ESTIMATORS)}")
@@ -47,7 +48,7 @@ class HistaModule(RLModule):
         self.estimator, self.scale, self.lam, self.merge_gap = estimator, scale_rewards, lam, merge_gap
         # d_min: a number, or "median" (each rollout's median prefix distance; tiny scale); None: the recipe's 5
         self.hista = HistaConfig(alpha, mean_window, min_interval, 5.0 if d_min is None else d_min, power, max_k,
-                                 min_k, lam, ema_init)
+                                 min_k, lam, ema_init, state_grid, zero_last_token)
         self.numca = NumcaTable()
 
     @property
@@ -98,7 +99,7 @@ class HistaModule(RLModule):
         out = []
         for g in range(0, len(ro), G):
             reps = representations(states[g:g + G], cfg)
-            pos = [state_positions(plens[i], lengths[i], cfg.min_interval) for i in range(g, g + G)]
+            pos = [state_positions(plens[i], lengths[i], cfg.min_interval, cfg.state_grid) for i in range(g, g + G)]
             out.append(hista_token_advantages(reps, pos, plens[g:g + G], lengths[g:g + G], ro.rewards[g:g + G], T, cfg))
         return torch.cat(out)
 

@@ -142,7 +142,7 @@ class SVEBModule(HistaModule):
         states = self.states(ro)
         plens, lengths = ro.prompt_lengths.tolist(), ro.lengths.tolist()
         reps = representations(states, cfg)
-        pos = [state_positions(plens[i], lengths[i], cfg.min_interval) for i in range(len(ro))]
+        pos = [state_positions(plens[i], lengths[i], cfg.min_interval, cfg.state_grid) for i in range(len(ro))]
         plen, owner, node_len, returns = library(reps, pos, ro.rewards, cfg.mean_window)
         cut_at = plens[0] + t - 1  # the prefix's last token
         D = node_distances(reps[0], torch.tensor([cut_at // cfg.mean_window + 1]), 0, reps, plen, owner, node_len)[0]
