@@ -545,3 +545,60 @@ def test_last_response_token_gets_zero_advantage_as_released():
     for j, n in enumerate(lengths):
         assert released[j, n - 1] == 0 and torch.allclose(ours[j, n - 1], r[j] - chains[j][-2])
         assert torch.equal(released[j, :n - 1], ours[j, :n - 1]) and (released[j, n:] == 0).all()
+
+
+def test_numca_sveb_value_follows_the_release_sum_of_changes():
+    """sveb/numca: V(∅) plus each λ=0 segment's δ where the per-character advantage changes, before the cut. Planted
+    table: V(∅)=1/2, V({3})=3/4, V({3,5})=1; the response writes 3 (char 10) and 5 (char 100), reward 1."""
+    from lightning_modules.hista.numca import cut_value
+
+    t = NumcaTable()
+    for nums, r in ([["3", "5"], 1], [["3", "5"], 1], [["3"], 1], [["3"], 0], [[], 0], [[], 0]):
+        t.update("p", nums, r)
+    nums = [("3", 10), ("5", 100)]
+    assert cut_value(t, "p", nums, 1.0, 250, 150, protocol="exact") == pytest.approx(1.0)
+    # two equal δ (1/4, 1/4): no change between them, so the first is never added
+    assert cut_value(t, "p", nums, 1.0, 250, 150) == pytest.approx(0.75)
+    assert cut_value(t, "p", nums, 1.0, 250, 50) == pytest.approx(0.5)
+    # merged within 50 characters: 3 (char 10) snaps onto 5 (char 40), past a cut at 30
+    close = [("3", 10), ("5", 40)]
+    assert cut_value(t, "p", close, 1.0, 250, 30, protocol="exact") == pytest.approx(0.75)
+    assert cut_value(t, "p", close, 1.0, 250, 30) == pytest.approx(0.5)
+    assert cut_value(t, "p", close, 1.0, 250, 45) == pytest.approx(1.0)  # both counted once the cut passes 40
+
+
+def test_hista_sveb_value_is_the_node_before_the_cut_with_k_over_all_nodes():
+    """sveb/hista: all m + 1 states of sample 0 are online nodes, k follows the schedule over m + 1, and the value is
+    the last node before the cut's last token (a cut on the first response token wraps to the last node). Checked
+    against a brute-force mean-nearest-neighbour distance."""
+    from lightning_modules.hista.hista import cut_value, library
+
+    torch.manual_seed(3)
+    reps = [torch.randn(n, 3) for n in (14, 11, 16)]
+    pos = [state_positions(2, n - 2, 4) for n in (14, 11, 16)]  # [2, 4, 8, 12, 13], ...
+    r = torch.tensor([1.0, 0.0, 1.0])
+    cfg = HistaConfig(alpha=0.7, mean_window=1, min_interval=4, d_min=0.5, max_k=5, min_k=1)
+    plen, owner, node_len, returns = library(reps, pos, r, 1)
+
+    def brute(i):
+        a = int(plen[0][i])
+        P = reps[0][:a]
+        D = []
+        for k, L in zip(owner.tolist(), node_len.tolist()):
+            if k == 0 and L > a:
+                D.append(float("inf"))
+                continue
+            C = torch.cdist(P, reps[k][:L])
+            D.append(float(C.min(1).values.mean() if a >= L else C.min(0).values.mean()))
+        D = torch.tensor(D)
+        kk = min(5 - (5 - 1) // len(plen[0]) * i, int(torch.isfinite(D).sum()))
+        idx = D.argsort(stable=True)[:kk]
+        w = 1 / D[idx].clamp_min(0.5)
+        return float((w * returns[idx]).sum() / w.sum())
+
+    for cut in range(3, 13):  # prefix's last token index; node before it: the last state index < cut
+        i = max(j for j, p in enumerate(pos[0]) if p < cut)
+        assert cut_value(reps, pos, r, cut, cfg) == pytest.approx(brute(i), rel=1e-5)
+    assert cut_value(reps, pos, r, 2, cfg) == pytest.approx(brute(len(pos[0]) - 1), rel=1e-5)  # the wrap-around
+    assert cut_value(reps, pos, r, 5, cfg) == cut_value(reps, pos, r, 8, cfg)  # constant between states
+    assert cut_value(reps, pos, r, 5, cfg, "exact") != pytest.approx(cut_value(reps, pos, r, 8, cfg, "exact"))

@@ -170,3 +170,28 @@ def hista_token_advantages(reps, positions, prompt_lens, lengths, rewards, T: in
         bounds = [min(p - prompt_lens[j], end) for p in positions[j][:-1]] + [end]
         rows.append(segment_gae(v, bounds, T, cfg.lam))
     return torch.stack(rows)
+
+
+def cut_value(reps: list[torch.Tensor], positions: list[list[int]], rewards: torch.Tensor, cut_token: int,
+              cfg: HistaConfig, protocol: str = "release") -> float:
+    """Hista's SVEB estimate for rollout 0 cut after token index ``cut_token`` (its prefix's last token, in the
+    unpadded prompt + response), against every (rollout, state) node of the group.
+
+    ``release`` (the Hista release's ``sveb/hista``): the online nodes are all m + 1 states of rollout 0, k follows the
+    schedule over those m + 1, and the estimate is the node just before the cut (the last state index < ``cut_token``;
+    a cut on the response's first token wraps to the last node, as the release's index -1 does). ``exact``: the cut
+    prefix itself is the online prefix, k the schedule's at its intermediate-state index."""
+    if protocol not in ("release", "exact"):
+        raise ValueError(f"model.sveb_protocol={protocol!r}: choose release or exact")
+    plen, owner, node_len, returns = library(reps, positions, rewards, cfg.mean_window)
+    if protocol == "release":
+        i = next(j for j, p in enumerate(positions[0]) if p >= cut_token) - 1  # -1: the release's wrap-around
+        a, k = plen[0], k_schedule(len(plen[0]), cfg.max_k, cfg.min_k)[i]
+        D = node_distances(reps[0], a, 0, reps, plen, owner, node_len)[i]
+    else:
+        M = max(1, len(positions[0]) - 2)
+        k = k_schedule(M, cfg.max_k, cfg.min_k)[min((cut_token - positions[0][0]) // cfg.min_interval, M - 1)]
+        D = node_distances(reps[0], torch.tensor([cut_token // cfg.mean_window + 1]), 0, reps, plen, owner,
+                           node_len)[0]
+    d_min = float(D[torch.isfinite(D)].median()) if cfg.d_min == "median" else float(cfg.d_min)
+    return knn_value(D, returns, k, d_min, cfg.power)
