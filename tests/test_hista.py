@@ -352,7 +352,7 @@ def test_update_slices_2d_advantages_per_micro_batch_padded_and_packed(packing):
 
 def test_dynamic_sampling_keeps_the_groups_nearest_half_and_problem_ids_are_stable(tiny_tokenizer):
     from datamodules.verifiable import Problems, generate_problems
-    from lightning_modules.hista.module import dynamic_sample
+    from lightning_modules.hista.sampling import dynamic_sample
     from tests.test_ps_ppo_packing import rollouts
 
     # 4 groups of 3: accuracies 1, 1/3, 0, 2/3 -> the two nearest 0.5 are groups 1 and 3 (|-1/6| ties: stable order)

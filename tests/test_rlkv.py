@@ -251,7 +251,8 @@ def test_press_bad_input():
 
 
 # --- the probe: penalty, hooks, clamp, tiny run ---------------------------------------------------------------
-from lightning_modules.rlkv.module import RLKVModule, sparsity_penalty  # noqa: E402
+from lightning_modules.rlkv.module import RLKVModule  # noqa: E402
+from lightning_modules.rlkv.penalty import sparsity_penalty  # noqa: E402
 
 
 @pytest.mark.parametrize("r_bar", [0.0, 0.3, 0.5, 0.75, 1.0])
@@ -447,7 +448,7 @@ def test_advantages_are_the_reward_normalised_over_the_batch_only_as_the_recipe(
 
 
 def test_ffd_micro_batches_follow_areals_first_fit_decreasing():
-    from lightning_modules.rlkv.module import ffd_micro_batches
+    from lightning_modules.rlkv.penalty import ffd_micro_batches
 
     # 5000 opens; 4000 fits nowhere; 3000 joins 4000; 2000 joins 5000; 1000 fits nowhere (both at 7000)
     assert sorted(ffd_micro_batches([5000, 4000, 3000, 2000, 1000], 7680)) == [[0, 3], [1, 2], [4]]

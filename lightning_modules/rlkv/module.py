@@ -9,7 +9,7 @@ core runs on decoding steps too, ``patch_attention(..., decode=True)``), the onl
 
   * ``microbatch`` (default, the release's ``FSDPEngine.train_batch``): the rollouts are split into AReaL's token-packed
     micro-batches (first-fit decreasing, at most ``penalty_tokens_per_mb`` = 7,680 prompt + response tokens each,
-    :func:`ffd_micro_batches`, their number the largest of any rank), r̄ is each micro-batch's mean and its penalty is
+    ``penalty.ffd_micro_batches``, their number the largest of any rank), r̄ is each micro-batch's mean and its penalty is
     weighted by its share of the step's response tokens over all ranks (AReaL's ``loss_weight_fn``). The penalty so
     never switches off entirely while some micro-batch is above τ: the multiplier Σ_m w_m 1[r̄_m > τ](e^{r̄_m} − 1) at
     accuracy 0.30 is ~0.1, where the batch form gives 0.
@@ -31,7 +31,6 @@ the model solves one of its own G samples (self-distillation sampling; paper sca
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Mapping
 
 import torch
@@ -39,54 +38,7 @@ import torch
 from lightning_modules.common.rl.module import RLModule
 from lightning_modules.common.rl.rollouts import Rollouts, generate_rollouts
 from lightning_modules.rlkv.mixed_attention import MixedAttention, check_backbone, check_window
-
-
-def sparsity_penalty(gates: torch.Tensor, mean_reward: float, scale: float, tau: float) -> torch.Tensor:
-    """λ · 1[r̄ > τ] · (e^{r̄} − 1) · mean|α|: off while the model is failing (r̄ ≤ τ)."""
-    return scale * penalty_gate(mean_reward, tau) * gates.abs().mean()
-
-
-def penalty_gate(mean_reward: float, tau: float) -> float:
-    """1[r̄ > τ] · (e^{r̄} − 1)."""
-    return (math.exp(mean_reward) - 1.0) if mean_reward > tau else 0.0
-
-
-def ffd_micro_batches(lengths: list[int], capacity: int, min_groups: int = 1) -> list[list[int]]:
-    """AReaL's micro-batch allocation (``datapack.ffd_allocate``): sequences longest first (ties by index), each into
-    the open micro-batch with the fewest sequences among those it fits in (total <= ``capacity``), a new one when it
-    fits in none or fewer than ``min_groups`` are open. A sequence longer than ``capacity`` gets its own (AReaL
-    refuses it; its SGLang context length keeps it from happening there)."""
-    groups: list[list[int]] = []
-    totals: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
-        v = lengths[i]
-        fits = [g for g in sorted(range(len(groups)), key=lambda g: (totals[g], g)) if totals[g] + v <= capacity]
-        if len(groups) < min_groups or not fits:
-            groups.append([i])
-            totals.append(v)
-            continue
-        g = min(fits, key=lambda g: len(groups[g]))  # fewest sequences; ties: the smallest total (AReaL's order)
-        groups[g].append(i)
-        totals[g] += v
-    return [sorted(g) for g in groups]
-
-
-def microbatch_penalty_weight(raw: torch.Tensor, seq_lengths: torch.Tensor, response_lengths: torch.Tensor, tau: float,
-                              capacity: int) -> float:
-    """Σ_m (response tokens of m / response tokens of the step on all ranks) · world size · 1[r̄_m > τ](e^{r̄_m} − 1) over
-    this rank's AReaL micro-batches m (the world-size factor undoes DDP's gradient averaging, as AReaL's
-    ``loss_scale *= dp_size`` does under FSDP)."""
-    from lightning_modules.common.rl import ranks
-
-    lens = [int(x) for x in seq_lengths.tolist()]
-    groups = ffd_micro_batches(lens, capacity)
-    if ranks.distributed():  # every rank runs as many micro-batches as the busiest (allocate_balanced_mbs_synced)
-        n = int(ranks.all_max(torch.tensor(len(groups), device=raw.device)))
-        groups = groups if n == len(groups) else ffd_micro_batches(lens, capacity, n)
-    total = float(ranks.all_sum(response_lengths.double().sum()))
-    resp, r = response_lengths.double().cpu(), raw.double().cpu()
-    return sum(float(resp[g].sum()) / max(total, 1.0) * penalty_gate(float(r[g].mean()), tau)
-               for g in map(torch.tensor, groups)) * ranks.world_size()
+from lightning_modules.rlkv.penalty import microbatch_penalty_weight, sparsity_penalty
 
 
 def check_unit(name: str, value: float) -> None:

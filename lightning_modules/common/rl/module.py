@@ -16,7 +16,9 @@ One ``training_step`` = one batch of prompts:
    are balanced over the micro-batches by tokens, so activation memory follows the sum of kept tokens instead of
    rows · the longest one (:meth:`micro_batches`).
    Loss: PPO-clip with ``eps_low``/``eps_high`` (+ ``beta`` · k3 KL to π_ref), aggregated as ``aggregation``
-   (``seq_mean`` | ``token_mean`` | ``dr_grpo``, divisors counting full untruncated tokens; ``losses.py``).
+   (``seq_mean`` | ``token_mean`` | ``dr_grpo``, divisors counting full untruncated tokens; ``losses.py``);
+   ``token_mean_scope``: ``global`` (default, TRL's dapo / cispo and AReaL: the token count of every rank) or
+   ``local`` (this rank's).
 
 ``trainer.max_steps`` counts optimizer steps (ppo_epochs · minibatches per batch of prompts). Validation and
 test: greedy decoding on held-out prompts, the mean reward as ``val/<reward.metric>`` (``val/accuracy`` for exact
@@ -39,7 +41,7 @@ import torch
 from lightning_modules.common.eval_hooks import TestIsValidation
 from lightning_modules.common.lm import CausalLMModule, _plain
 from lightning_modules.common.rl.advantages import batch_normalize, compute_advantages
-from lightning_modules.common.rl.losses import AGGREGATIONS, LOSS_TYPES, divisors, k3_kl, policy_loss
+from lightning_modules.common.rl.losses import AGGREGATIONS, LOSS_TYPES, SCOPES, divisors, k3_kl, policy_loss
 from lightning_modules.common.rl.scorers import ExactMatch
 from lightning_modules.common.rl.rollouts import (Rollouts, batched_logprobs, generate_rollouts, packed_logprobs,
                                                   response_logprobs)
@@ -85,7 +87,8 @@ class RLModule(TestIsValidation, CausalLMModule):
                  beta: float = 0.0, max_grad_norm: float | None = 1.0, warmup: Mapping[str, Any] | None = None,
                  val_max_new_tokens: int | None = None, measure_activations: bool = False, packing: bool = False,
                  reward: Callable | None = None,
-                 advantage_batch_norm: bool = False, loss_type: str = "ppo", top_k: int = 0):
+                 advantage_batch_norm: bool = False, loss_type: str = "ppo", top_k: int = 0,
+                 token_mean_scope: str = "global"):
         super().__init__(backbone, optimizer, scheduler, weight_decay)
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"model.loss_type={loss_type!r}: choose one of {', '.join(LOSS_TYPES)}")
@@ -107,6 +110,9 @@ class RLModule(TestIsValidation, CausalLMModule):
         self.val_max_new_tokens = val_max_new_tokens or max_new_tokens
         self.measure_activations, self.packing = measure_activations, packing
         self.advantage_batch_norm = advantage_batch_norm
+        if token_mean_scope not in SCOPES:
+            raise ValueError(f"model.token_mean_scope={token_mean_scope!r}: choose global (TRL, AReaL) or local")
+        self.token_mean_scope = token_mean_scope
         self.hparams["warmup"] = self.warmup
         self.tokenizer = None
         self._ref = None  # π_ref, kept out of the module tree: not trained, not checkpointed
@@ -210,7 +216,7 @@ class RLModule(TestIsValidation, CausalLMModule):
         for epoch in range(self.ppo_epochs):
             kept, weights = plans[epoch]
             for mb in torch.randperm(N, generator=gen).to(ro.input_ids.device).chunk(self.minibatches):
-                div = divisors(self.aggregation, lengths[mb], self.max_new_tokens)
+                div = divisors(self.aggregation, lengths[mb], self.max_new_tokens, self.token_mean_scope)
                 total = 0.0
                 for part in self.micro_batches(kept[mb], ro.prompt_lengths[mb]):
                     rows, d = mb[part], div[part]
