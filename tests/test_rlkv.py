@@ -146,7 +146,7 @@ from lightning_modules.rlkv.press import HeadMixedPress, allocate  # noqa: E402
 def test_allocation_compresses_exactly_round_s_LH_heads_globally(s):
     g = torch.Generator().manual_seed(0)
     gates = torch.rand(4, 6, generator=g)
-    stream = allocate(gates, s)
+    stream = allocate(gates, s, "round")
     k = round(s * 24)
     assert int(stream.sum()) == k
     if 0 < k < 24:
@@ -540,3 +540,28 @@ def test_press_generate_follows_the_release_protocol(prompt):
     assert [len(c) for c in rep["completions"]] == [40, 40]  # first checked at 40 (past one window): 1 distinct < 2
     assert [len(c) for c in press_generate(model, None, prompts, 30, None, 0)["completions"]] == [30, 30]
     assert press_generate(model, None, prompts, 30, [3, 7], 0)["completions"] == [[], []]  # any EOS of a list stops
+
+
+def test_allocation_counts_heads_below_the_release_quantile_and_reads_released_gate_files(tmp_path):
+    """sparsify_attention_heads: heads strictly below numpy's s-quantile stream (= ceil(s (n - 1)) for distinct gates,
+    one fewer than round(s n) at e.g. s = 0.6 of 256); ties by (layer, head) order; released adapter_weights.tsv
+    files (gates outside [0, 1], their training clamps before the forward) are read and clipped."""
+    import numpy as np
+
+    g = torch.rand(32, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for s in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9):
+        stream = allocate(g, s)
+        assert int(stream.sum()) == int((g.numpy() < np.quantile(g.numpy(), s)).sum())
+        assert g[stream].max() < g[~stream].min()
+    assert int(allocate(g, 0.6).sum()) == 153 and int(allocate(g, 0.6, "round").sum()) == 154
+    tied = torch.tensor([[0.5, 0.2], [0.5, 0.5]])
+    assert allocate(tied, 0.5).tolist() == [[True, True], [False, False]]  # 2 of 4: the 0.2 and the first 0.5
+    path = tmp_path / "adapter_weights.tsv"
+    path.write_text("1.2\t-0.1\n0.4\t0.7\n")
+    press = HeadMixedPress(gates=str(path), sparsity=0.5)
+    assert press.allocation(2, 2).tolist() == [[False, True], [True, False]]
+    from lightning_modules.rlkv.press import load_gates
+
+    assert load_gates(str(path)).tolist() == [[1.0, 0.0], [0.4, 0.7]]
+    with pytest.raises(ValueError, match="head_count"):
+        HeadMixedPress(gates=GATES, head_count="floor")
