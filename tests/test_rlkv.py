@@ -565,3 +565,41 @@ def test_allocation_counts_heads_below_the_release_quantile_and_reads_released_g
     assert load_gates(str(path)).tolist() == [[1.0, 0.0], [0.4, 0.7]]
     with pytest.raises(ValueError, match="head_count"):
         HeadMixedPress(gates=GATES, head_count="floor")
+
+
+def test_rollout_chunks_bound_the_generate_batch_and_the_paper_probes_fit_their_gpus():
+    """rollout_chunk: generate sees at most chunk sequences per call (chunk // G prompts), greedy output unchanged;
+    the paper probes (16 prompts x G 4 per GPU, 1,024 + 7,168 tokens) hold bf16 weights + the KV cache of one chunk
+    in an 80 GB A100 with room to spare, where one call for all 64 sequences would not for R1-Llama-8B / Qwen3-4B."""
+    from lightning_modules.common.backbone import build_backbone, count_parameters
+    from lightning_modules.common.rl.rollouts import generate_rollouts
+    from runner import compose
+
+    model = tiny_llama(torch.float32)
+    calls = []
+    generate = model.generate
+    model.generate = lambda **kw: calls.append(kw["input_ids"].shape[0] * kw["num_return_sequences"]) or generate(**kw)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16]]
+    whole = generate_rollouts(model, prompts, 3, 5, None, 0, temperature=0.0)
+    calls.clear()
+    chunked = generate_rollouts(model, prompts, 3, 5, None, 0, temperature=0.0, chunk=6)
+    assert calls == [2, 2, 1] and torch.equal(chunked.input_ids, whole.input_ids)  # greedy: one sequence per prompt
+    torch.manual_seed(0)
+    calls.clear()
+    sampled = generate_rollouts(model, prompts, 3, 5, None, 0, temperature=1.0, chunk=6)
+    assert calls == [6, 6, 3] and sampled.input_ids.shape[0] == 15
+    for experiment in ("rlkv_r1_llama8b", "rlkv_r1_qwen7b", "rlkv_qwen3_4b_thinking"):
+        from omegaconf import OmegaConf
+
+        cfg = compose(experiment)
+        spec = OmegaConf.to_container(cfg.backbone, resolve=True)
+        c = spec["config"]
+        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        kv_per_token = c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 2 * 2
+        tokens = cfg.data.max_prompt_tokens + cfg.model.max_new_tokens
+        weights = 2 * count_parameters(build_backbone(spec, meta=True))
+        sequences = cfg.data.batch_size * cfg.model.group_size
+        chunked_gb = (weights + cfg.model.rollout_chunk * tokens * kv_per_token) / 1e9
+        assert cfg.model.rollout_chunk and chunked_gb < 0.6 * 80, (experiment, chunked_gb)
+        if experiment != "rlkv_r1_qwen7b":  # 4 KV heads: even unchunked it fits
+            assert (weights + sequences * tokens * kv_per_token) / 1e9 > 0.85 * 80, experiment

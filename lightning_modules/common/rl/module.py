@@ -3,7 +3,8 @@
 One ``training_step`` = one batch of prompts:
 
 1. **rollout**: G samples per prompt from the current weights, which are the frozen old policy π_old of this
-   step (``generate_rollouts``; no gradient); rewards from ``reward`` (``scorers.py``, config group
+   step (``generate_rollouts``; no gradient; ``rollout_chunk`` > 0 generates that many sequences at a time, which
+   bounds the KV cache); rewards from ``reward`` (``scorers.py``, config group
    ``model/reward``: exact match by default, a reward model for RLHF); group advantages (``advantages.py``:
    ``grpo``, ``dr_grpo``, ``rloo``).
 2. **plan**: per PPO epoch, per trajectory, how many response tokens to backpropagate and the per-token weights
@@ -88,7 +89,7 @@ class RLModule(TestIsValidation, CausalLMModule):
                  val_max_new_tokens: int | None = None, measure_activations: bool = False, packing: bool = False,
                  reward: Callable | None = None,
                  advantage_batch_norm: bool = False, loss_type: str = "ppo", top_k: int = 0,
-                 token_mean_scope: str = "global"):
+                 token_mean_scope: str = "global", rollout_chunk: int = 0):
         super().__init__(backbone, optimizer, scheduler, weight_decay)
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"model.loss_type={loss_type!r}: choose one of {', '.join(LOSS_TYPES)}")
@@ -113,6 +114,9 @@ class RLModule(TestIsValidation, CausalLMModule):
         if token_mean_scope not in SCOPES:
             raise ValueError(f"model.token_mean_scope={token_mean_scope!r}: choose global (TRL, AReaL) or local")
         self.token_mean_scope = token_mean_scope
+        if rollout_chunk < 0:
+            raise ValueError(f"model.rollout_chunk={rollout_chunk}: sequences per generate call, >= 0 (0 = all at once)")
+        self.rollout_chunk = rollout_chunk
         self.hparams["warmup"] = self.warmup
         self.tokenizer = None
         self._ref = None  # π_ref, kept out of the module tree: not trained, not checkpointed
@@ -190,7 +194,8 @@ class RLModule(TestIsValidation, CausalLMModule):
     def rollout(self, batch) -> Rollouts:
         tok = self.get_tokenizer()
         ro = generate_rollouts(self.model, batch["prompt_ids"], self.group_size, self.max_new_tokens, tok.eos_token_id,
-                               tok.pad_token_id, self.temperature, self.top_p, tokenizer=tok, top_k=self.top_k)
+                               tok.pad_token_id, self.temperature, self.top_p, tokenizer=tok, top_k=self.top_k,
+                               chunk=self.rollout_chunk)
         ro.rewards = self.score(ro, batch)
         ro.advantages = compute_advantages(self.advantage, ro.rewards, self.group_size)
         if self.advantage_batch_norm:  # then over the whole batch, token-weighted (AReaL's adv_norm)
