@@ -603,3 +603,44 @@ def test_rollout_chunks_bound_the_generate_batch_and_the_paper_probes_fit_their_
         assert cfg.model.rollout_chunk and chunked_gb < 0.6 * 80, (experiment, chunked_gb)
         if experiment != "rlkv_r1_qwen7b":  # 4 KV heads: even unchunked it fits
             assert (weights + sequences * tokens * kv_per_token) / 1e9 > 0.85 * 80, experiment
+
+
+def test_duo_trains_as_released_schedule_block_window_and_qa_span(tiny_tokenizer):
+    """base/duo_attn/train.py: lr x min(1, max((t+1)/(N//5), .1), max((N-t)/(N//5), .1)); the 128-token block window;
+    data.py: one question + key + separator per pass key after the context, the whole QA span supervised; context
+    lengths evenly spaced from n_tokens_min to n_tokens."""
+    from lightning_modules.rlkv.data import MultiPasskeyDataModule
+    from lightning_modules.rlkv.duo import duo_schedule
+    from runner import compose
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sch = duo_schedule(opt, 2000)
+    factors = []
+    for _ in range(2000):
+        factors.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sch.step()
+    assert factors[0] == pytest.approx(0.1) and factors[199] == pytest.approx(0.5) and factors[399] == 1.0
+    assert factors[1000] == 1.0 and factors[1700] == pytest.approx(0.75) and factors[1999] == pytest.approx(0.1)
+    paper = compose("duoattn_r1_llama8b")
+    assert paper.model.window == "block" and paper.model.block == 128 and paper.data.layout == "qa_span"
+    assert paper.model.scheduler._target_.endswith("duo_schedule") and paper.trainer.max_steps == 2000
+
+    dm = MultiPasskeyDataModule(tiny_tokenizer, n_tokens=300, n_tokens_min=200, length_intervals=3, n_keys=4,
+                                n_train=3, n_val=1)
+    dm.setup()
+    for i, target in enumerate((200, 250, 300)):
+        ids, sup = dm.train_set[i]
+        span = [t for t, s in zip(ids, sup) if s]
+        first = sup.index(1)
+        assert all(sup[first:]) and not any(sup[:first])  # one contiguous span at the end
+        text = tiny_tokenizer.decode(span)
+        assert text.count("What is pass key number") == 4 and text.endswith("\n\n")
+        keys = [line.split("Pass key: ")[1] for line in text.split("\n\n") if "Pass key: " in line]
+        context = tiny_tokenizer.decode(ids[:first])
+        assert all(f"Pass key number {j + 1} is: {k}." in context for j, k in enumerate(keys))
+        assert abs(first - target) < 20  # the context runs about n_tokens (+ intro / closing lines)
+    recite = MultiPasskeyDataModule(tiny_tokenizer, n_tokens=200, n_keys=4, n_train=1, n_val=1, layout="recite")
+    recite.setup()
+    ids, sup = recite.train_set[0]
+    assert "," in tiny_tokenizer.decode([t for t, s in zip(ids, sup) if s])  # the keys recited, only they supervised
