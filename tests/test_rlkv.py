@@ -644,3 +644,24 @@ def test_duo_trains_as_released_schedule_block_window_and_qa_span(tiny_tokenizer
     recite.setup()
     ids, sup = recite.train_set[0]
     assert "," in tiny_tokenizer.decode([t for t, s in zip(ids, sup) if s])  # the keys recited, only they supervised
+
+
+@pytest.mark.parametrize("name", ["h2o", "rkv"])
+def test_token_dropping_baselines_decode_a_left_padded_batch_at_the_matched_budget(prompt, name):
+    """The table's H2O / R-KV rows through the evaluation decoder (model/press=h2o|rkv, matched sparsity): a padded row
+    and an unpadded one decode, well under the full cache."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from lightning_modules.rlkv.evaluation import press_generate
+
+    model = tiny_llama(torch.float32)
+    ids, mask = prompt
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    cfg = OmegaConf.load(f"conf/model/press/{name}.yaml")
+    cfg.sparsity, cfg.window = 0.5, (4 if name == "h2o" else 8)
+    if name == "rkv":
+        cfg.fixed_size, cfg.buffer, cfg.obs_window = 12, 4, 2
+    press = instantiate(cfg)
+    out = press_generate(model, press, prompts, 8, None, 0)
+    assert out["tokens"].shape == (2, 8) and out["kv_kept_fraction"] < 0.8  # the budget's exact counts: test_kv_press
