@@ -665,3 +665,14 @@ def test_token_dropping_baselines_decode_a_left_padded_batch_at_the_matched_budg
     press = instantiate(cfg)
     out = press_generate(model, press, prompts, 8, None, 0)
     assert out["tokens"].shape == (2, 8) and out["kv_kept_fraction"] < 0.8  # the budget's exact counts: test_kv_press
+
+
+def test_every_press_of_the_rlkv_table_instantiates_from_the_eval_config():
+    """rlkv_eval_<model> with head_mixed (gates), h2o or rkv (no gates key leaks into the token-dropping presses)."""
+    from hydra.utils import instantiate
+
+    from runner import compose
+
+    for name, cls in (("head_mixed", "HeadMixedPress"), ("h2o", "H2O"), ("rkv", "RKV")):
+        press = instantiate(compose("rlkv_eval_r1_llama8b", [f"model/press={name}"]).model.press)
+        assert type(press).__name__ == cls and press.sparsity == 0.4
