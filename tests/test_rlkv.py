@@ -676,3 +676,34 @@ def test_every_press_of_the_rlkv_table_instantiates_from_the_eval_config():
     for name, cls in (("head_mixed", "HeadMixedPress"), ("h2o", "H2O"), ("rkv", "RKV")):
         press = instantiate(compose("rlkv_eval_r1_llama8b", [f"model/press={name}"]).model.press)
         assert type(press).__name__ == cls and press.sparsity == 0.4
+
+
+@pytest.mark.parametrize("cls", ["rlkv", "duo"])
+def test_clamp_before_forward_is_the_release_timing(monkeypatch, cls):
+    """clamp=before_forward (AReaL's train_batch, DuoAttention's train.py): a step may leave gates outside [0, 1]; the
+    next training forward (grad on) clamps them first, no-grad passes do not. after_step (ours) clamps at the step."""
+    from lightning_modules.common.rl import module as rl_module
+    from lightning_modules.rlkv.duo import DuoAttentionModule
+
+    make = (lambda **kw: RLKVModule(backbone={"family": "llama"}, sink=2, recent=4, **kw)) if cls == "rlkv" else \
+        (lambda **kw: DuoAttentionModule(backbone={"family": "llama"}, sink=2, recent=4, **kw))
+    monkeypatch.setattr(rl_module.RLModule, "_step", lambda self: 0.0)
+    ids = torch.randint(2, 61, (1, 12), generator=torch.Generator().manual_seed(0))
+    outside = torch.tensor([[1.4, -0.3], [0.5, 2.0]], dtype=torch.float64)
+    for clamp in ("before_forward", "after_step"):
+        m = make(clamp=clamp)
+        m.model = m.install_gates(tiny_llama(), m.window)
+        m.mixed.double()
+        with torch.no_grad():
+            m.mixed.gates.copy_(outside)  # as an optimizer step may leave them
+        m._step() if cls == "rlkv" else m.on_train_batch_end(None, None, 0)
+        stepped = m.mixed.gates.detach().clone()
+        with torch.no_grad():
+            m.model(input_ids=ids)
+        assert torch.equal(m.mixed.gates.detach(), stepped)  # a no-grad pass (rollout, log-probs) changes nothing
+        m.model(input_ids=ids)
+        clamped = outside.clamp(0, 1)
+        assert torch.equal(stepped, outside if clamp == "before_forward" else clamped)
+        assert torch.equal(m.mixed.gates.detach(), clamped)
+    with pytest.raises(ValueError, match="clamp"):
+        make(clamp="never")

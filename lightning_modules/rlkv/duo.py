@@ -1,7 +1,8 @@
 """DuoAttention's gate probe (Xiao et al., 2024), the baseline RLKV extends: the same gates and mixed attention, trained
 to make the gated model's last-layer hidden states at the supervised positions match the full model's (MSE, averaged
 per element) + ``reg_weight`` · mean|α|. The full model is the same frozen weights with the core switched off
-(``attention_enabled(model, False)``), so no second copy is held. Gates clamped to [0, 1] after each step.
+(``attention_enabled(model, False)``), so no second copy is held. Gates clamped to [0, 1] after each step
+(``clamp: after_step``; the release clamps before each training forward: ``before_forward``).
 
 As the release trains it (RLKV ``base/duo_attn/train.py``, ``scripts/train_duo.sh``), which ``conf/model/duoattn.yaml``
 follows by default: AdamW lr 0.02 with :func:`duo_schedule` (x0.1 rising linearly to x1 over the first fifth of the
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from lightning_modules.common.attention import attention_enabled
 from lightning_modules.common.lm import CausalLMModule
 from lightning_modules.rlkv.mixed_attention import check_backbone, check_window
-from lightning_modules.rlkv.module import GatedModelMixin
+from lightning_modules.rlkv.module import GatedModelMixin, check_clamp
 
 
 def duo_schedule(optimizer, num_steps: int):
@@ -34,9 +35,11 @@ def duo_schedule(optimizer, num_steps: int):
 class DuoAttentionModule(GatedModelMixin, CausalLMModule):
     def __init__(self, backbone: Mapping[str, Any], optimizer=None, scheduler=None, sink: int = 128,
                  recent: int = 256, window: str = "token", block: int = 128, gate_init: float = 1.0,
-                 reg_weight: float = 0.05):
+                 reg_weight: float = 0.05, clamp: str = "after_step"):
         check_window(sink, recent, window, block)
+        check_clamp(clamp)
         super().__init__(backbone, optimizer, scheduler)
+        self.clamp = clamp
         self.window = {"sink": sink, "recent": recent, "window": window, "block": block, "init": gate_init}
         self.reg_weight = reg_weight
         self.mixed = None
@@ -64,7 +67,7 @@ class DuoAttentionModule(GatedModelMixin, CausalLMModule):
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.mixed.clamp_()
+        self.clamp_after_step()
 
     def on_validation_epoch_start(self):
         self._val_sum = self._val_count = 0.0

@@ -15,7 +15,8 @@ core runs on decoding steps too, ``patch_attention(..., decode=True)``), the onl
     accuracy 0.30 is ~0.1, where the batch form gives 0.
   * ``batch``: one r̄ over the rank's whole batch (ours before; the spec's reading of the README formula). It is the
     formula the paper writes; kept as a switch.
-- :meth:`_step`: gates clamped to [0, 1] after every optimizer step.
+- :meth:`_step`: gates clamped to [0, 1] after every optimizer step (``clamp: after_step``, ours; ``before_forward``
+  is the release's timing, see :class:`GatedModelMixin`).
 
 Advantages (``advantage: reward`` + ``advantage_batch_norm``, the default): the reward itself normalised over every
 response token of the batch on all ranks, no group normalisation, as the released recipe runs (rlkv-areal
@@ -46,14 +47,40 @@ def check_unit(name: str, value: float) -> None:
         raise ValueError(f"model.{name}={value}: it must lie in [0, 1]")
 
 
+CLAMPS = ("after_step", "before_forward")
+
+
+def check_clamp(clamp: str) -> None:
+    if clamp not in CLAMPS:
+        raise ValueError(f"model.clamp={clamp!r}: choose after_step (ours) or before_forward (the release)")
+
+
 class GatedModelMixin:
-    """Builds the frozen backbone with the mixed attention installed; ``self.mixed`` holds the gates."""
+    """Builds the frozen backbone with the mixed attention installed; ``self.mixed`` holds the gates.
+
+    ``clamp`` (when the gates are put back in [0, 1]): ``after_step`` (default, ours): right after every optimizer
+    step, so the gates the rollouts, the evaluation and the saved results see always lie in [0, 1]; ``before_forward``
+    (the releases: AReaL's ``train_batch`` and DuoAttention's ``train.py`` clamp before each training forward): the
+    step may leave gates outside [0, 1] until the next training forward (rollouts and no-grad passes see them so, and
+    the saved gates may lie outside, which the evaluation clips). Ours keeps every pass on the same, valid gates."""
+
+    clamp = "after_step"
 
     def install_gates(self, model, window: Mapping[str, Any]):
         model.requires_grad_(False)
         self.mixed = MixedAttention.for_model(model, **window)
         self.mixed.install(model)
+        if self.clamp == "before_forward":
+            model.register_forward_pre_hook(self._clamp_before_training_forward)
         return model
+
+    def _clamp_before_training_forward(self, module, args):
+        if torch.is_grad_enabled():  # a training forward; generation and the no-grad log-prob passes see them as stepped
+            self.mixed.clamp_()
+
+    def clamp_after_step(self) -> None:
+        if self.clamp == "after_step":
+            self.mixed.clamp_()
 
     def gate_results(self) -> dict:
         g = self.mixed.gates.detach().float().cpu()
@@ -73,8 +100,10 @@ class RLKVModule(GatedModelMixin, RLModule):
                  block: int = 128, gate_init: float = 1.0, reg_scale: float = 1e-3, tau: float = 0.5,
                  reward_scale: float = 1.0, reward_bias: float = 0.0, behav_imp_cap: float = 5.0,
                  self_filter: int | None = None, penalty_scope: str = "microbatch",
-                 penalty_tokens_per_mb: int = 7680, **kwargs):
+                 penalty_tokens_per_mb: int = 7680, clamp: str = "after_step", **kwargs):
         check_window(sink, recent, window, block)
+        check_clamp(clamp)
+        self.clamp = clamp
         if penalty_scope not in PENALTY_SCOPES:
             raise ValueError(f"model.penalty_scope={penalty_scope!r}: choose microbatch (the release) or batch")
         if penalty_tokens_per_mb < 1:
@@ -115,7 +144,7 @@ class RLKVModule(GatedModelMixin, RLModule):
 
     def _step(self) -> float:
         norm = super()._step()
-        self.mixed.clamp_()
+        self.clamp_after_step()
         return norm
 
     def training_step(self, batch, batch_idx):
