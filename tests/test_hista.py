@@ -602,3 +602,17 @@ def test_hista_sveb_value_is_the_node_before_the_cut_with_k_over_all_nodes():
     assert cut_value(reps, pos, r, 2, cfg) == pytest.approx(brute(len(pos[0]) - 1), rel=1e-5)  # the wrap-around
     assert cut_value(reps, pos, r, 5, cfg) == cut_value(reps, pos, r, 8, cfg)  # constant between states
     assert cut_value(reps, pos, r, 5, cfg, "exact") != pytest.approx(cut_value(reps, pos, r, 8, cfg, "exact"))
+
+
+def test_knn_ties_under_d_min_are_broken_by_distance_then_node_order():
+    """The release clamps to d_min before its top-k, so with more than k nodes under d_min its pick is arbitrary
+    (torch.topk on ties); ours takes the nearest raw distances, equal ones in node order: deterministic."""
+    from lightning_modules.hista.hista import knn_value
+
+    D = torch.zeros(400)  # 400 identical prefixes (distance 0), the first 200 correct
+    returns = torch.cat([torch.ones(200), torch.zeros(200)])
+    assert knn_value(D, returns, 66, d_min=5.0) == 1.0  # the first 66 in node order
+    D = torch.tensor([0.5, 0.1, 0.1, 0.3, 7.0, float("inf")])  # four under d_min = 5: same weight, pick by distance
+    r = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0])
+    assert knn_value(D, r, 1, 5.0) == 0.0 and knn_value(D, r, 2, 5.0) == 0.5  # 0.1 (node 1), then 0.1 (node 2)
+    assert knn_value(D, r, 4, 5.0) == 0.5 and knn_value(D, r, 10, 5.0) == pytest.approx((2 / 5 + 1 / 7) / (4 / 5 + 1 / 7))

@@ -15,7 +15,7 @@ Per rollout, over its unpadded prompt + response last-layer states h_t:
    nearest-neighbour distance from the longer prefix into the shorter; a same-rollout node longer than the online
    prefix is ∞ (future leakage). One cdist per pair of rollouts, cummin/cumsum give every prefix pair at once.
 5. :func:`hista_values` — intermediate state j (0-based, of M) averages the k_j = max_k − ⌊(max_k − min_k)/M⌋·j
-   nearest nodes with weights 1/max(D, d_min)^t. Values [group mean, V_1 … V_{m−1}, R], then GAE over the segments
+   nearest nodes with weights 1/max(D, d_min)^t (:func:`knn_value`: ties under d_min broken deterministically). Values [group mean, V_1 … V_{m−1}, R], then GAE over the segments
    between states. ``zero_last_token`` (default, the release's ``calculate_GAE_advantages``: its segments end at the
    last token's index, which so belongs to none) gives the last response token (usually EOS) advantage 0; off, it
    gets R − V like the rest of its segment (the spec's reading).
@@ -117,9 +117,14 @@ def representations(states: list[torch.Tensor], cfg: HistaConfig) -> list[torch.
 
 
 def knn_value(D: torch.Tensor, returns: torch.Tensor, k: int, d_min: float, power: float = 1.0) -> float:
-    """Σ w R / Σ w over the k nearest finite nodes, w = 1/max(D, d_min)^power."""
-    d, idx = D.topk(min(k, int(torch.isfinite(D).sum())), largest=False)
-    w = 1.0 / d.clamp_min(d_min) ** power
+    """Σ w R / Σ w over the k nearest finite nodes, w = 1/max(D, d_min)^power.
+
+    The release clamps D to d_min *before* its top-k, so when more than k nodes lie under d_min (equal weight) its
+    pick among them is arbitrary (``torch.topk`` on ties). Ours is one of its possible picks, made deterministic: the
+    nodes nearest by raw distance, equal distances in node order (rollout, then state; a stable sort)."""
+    n = min(k, int(torch.isfinite(D).sum()))
+    idx = torch.argsort(D, stable=True)[:n]
+    w = 1.0 / D[idx].clamp_min(d_min) ** power
     return float((w * returns[idx]).sum() / w.sum())
 
 
