@@ -3,7 +3,8 @@
 Local jsonl/parquet files with one prompt per record (field ``data.question_field``, default ``prompt``), e.g.
 the prompts of HH-RLHF or UltraFeedback. Everything else is the verifiable datamodule's: the three disjoint splits
 (``val_files`` / ``test_files``, else hashed out of ``files`` by prompt), batches of prompt text and policy token
-ids (the answer is empty), prompts reading ``"Question: ...\\nAnswer:"``; so the RL core runs unchanged.
+ids (the answer is empty), prompts reading ``"Question: ...\\nAnswer:"`` or, with ``chat_template``, the policy's chat
+template; so the RL core runs unchanged.
 """
 from __future__ import annotations
 

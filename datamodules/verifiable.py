@@ -17,11 +17,15 @@ Files: ``val_files`` / ``test_files`` give a split from its own files (GSM8K: ``
 validation hashed out of the training file); without them val and test are hashed out of ``files``, never the
 training records themselves. Checkpoints are selected on val; ``test_dataloader`` serves test, which nothing else reads.
 
-Each item is ``{"prompt": str, "answer": str, "solution": str, "prompt_ids": list[int], "id": str}``; a batch keeps
+Each item is ``{"prompt": str, "question": str, "answer": str, "solution": str, "prompt_ids": list[int], "id": str}``
+(``prompt`` as the policy reads it, ``question`` the bare problem a reward model templates itself); a batch keeps
 lists. ``id`` is a stable hash of the problem's key (per-problem state tables, e.g. Numca's, persist on it).
 ``dynamic_sampling_scale`` = k serves k · batch_size training prompts per batch; the RL module keeps the
 batch_size whose group accuracy is nearest 0.5 (the Hista recipes' over-sampling, k = 2).
-Prompts read ``"Question: ...\\nAnswer:"``; a solution is the completion the supervised warm-up teaches.
+Prompts read ``"Question: ...\\nAnswer:"`` (the tiny models', whose warm-up teaches that format; a solution is the
+completion it teaches). ``chat_template=True`` renders them as the released RL recipes do (Hista's TRL trainers,
+RLKV's AReaL workflow): the tokenizer's chat template over ``[system: system_prompt, user: question]`` with the
+generation prompt, tokenised without extra special tokens; paper-scale RL runs use it.
 """
 from __future__ import annotations
 
@@ -117,13 +121,27 @@ def load_problems(task: str, files, question_field: str | None = None, answer_fi
     return out
 
 
+def render_prompt(tokenizer, question: str, chat_template: bool = False, system_prompt: str | None = None) -> str:
+    """The prompt text of a question: ``PROMPT``, or the tokenizer's chat template (system + user, generation prompt)."""
+    if not chat_template:
+        return PROMPT.format(q=question)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"data.chat_template=true, but the tokenizer of {getattr(tokenizer, 'name_or_path', '?')} has no "
+                         "chat template: use an instruct/chat model's tokenizer or set data.chat_template=false")
+    messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+        {"role": "user", "content": question}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
 class Problems(Dataset):
-    def __init__(self, problems: list[dict], tokenizer, max_prompt_tokens: int):
+    def __init__(self, problems: list[dict], tokenizer, max_prompt_tokens: int, chat_template: bool = False,
+                 system_prompt: str | None = None):
         self.items = []
         for p in problems:
-            prompt = PROMPT.format(q=p["question"])
+            prompt = render_prompt(tokenizer, p["question"], chat_template, system_prompt)
             ids = tokenizer(prompt, add_special_tokens=False)["input_ids"][-max_prompt_tokens:]
-            self.items.append({"prompt": prompt, "answer": p["answer"], "solution": p["solution"], "prompt_ids": ids,
+            self.items.append({"prompt": prompt, "question": p["question"], "answer": p["answer"],
+                               "solution": p["solution"], "prompt_ids": ids,
                                "id": stable_hash(p.get("key", p["question"]))})
 
     def __len__(self):
@@ -142,8 +160,10 @@ class VerifiableDataModule(L.LightningDataModule):
                  question_field: str | None = None, answer_field: str | None = None, digits: int = 2,
                  operations=("+", "-"), val_fraction: float = 0.2, test_fraction: float = 0.2, n_train: int = 20000,
                  n_val: int | None = 64, n_test: int | None = 64, batch_size: int = 8, eval_batch_size: int = 32,
-                 max_prompt_tokens: int = 512, num_workers: int = 0, seed: int = 0, dynamic_sampling_scale: int = 1):
+                 max_prompt_tokens: int = 512, num_workers: int = 0, seed: int = 0, dynamic_sampling_scale: int = 1,
+                 chat_template: bool = False, system_prompt: str | None = None):
         super().__init__()
+        self.chat_template, self.system_prompt = chat_template, system_prompt
         if dynamic_sampling_scale < 1:
             raise ValueError(f"data.dynamic_sampling_scale={dynamic_sampling_scale}: must be an integer >= 1 (1 = off)")
         self.dynamic_sampling_scale = int(dynamic_sampling_scale)
@@ -185,8 +205,9 @@ class VerifiableDataModule(L.LightningDataModule):
             for s in SPLITS:
                 if not problems[s]:
                     raise ValueError(f"the {s} split holds no problem: raise data.{s}_fraction or give data.{s}_files")
-            self.train_set, self.val_set, self.test_set = (Problems(problems[s], self.tokenizer, self.max_prompt_tokens)
-                                                           for s in SPLITS)
+            self.train_set, self.val_set, self.test_set = (
+                Problems(problems[s], self.tokenizer, self.max_prompt_tokens, self.chat_template, self.system_prompt)
+                for s in SPLITS)
 
     def train_dataloader(self):
         trainer = self.trainer

@@ -148,20 +148,20 @@ def test_prefix_distance_against_the_definition():
 
 def test_k_schedule_and_state_positions():
     assert k_schedule(10) == [66, 60, 54, 48, 42, 36, 30, 24, 18, 12]
-    assert state_positions(7, 120, 50) == [7, 57, 107, 126]
-    assert state_positions(7, 100, 50) == [7, 57, 106]
-    assert state_positions(7, 1, 50) == [7, 7]
+    assert state_positions(7, 120, 50, "response") == [7, 57, 107, 126]
+    assert state_positions(7, 100, 50, "response") == [7, 57, 106]
+    assert state_positions(7, 1, 50, "response") == [7, 7]
 
 
 def test_hista_two_identical_prefixes_give_the_weight_balanced_mean_and_future_is_masked():
     """Rollouts 0 (R=1) and 1 (R=0) share E up to state 1; a third (R=1) is far. With k = 2 the nearest two nodes
     are at distance 0, both clamped to d_min, so V_1 is their weight-balanced (here plain) mean 0.5."""
-    cfg = HistaConfig(alpha=0.7, mean_window=1, min_interval=4, d_min=1.0, max_k=2, min_k=2)
+    cfg = HistaConfig(alpha=0.7, mean_window=1, min_interval=4, d_min=1.0, max_k=2, min_k=2, state_grid="response")
     shared = torch.randn(8, 3)
     e0 = torch.cat([shared, torch.randn(4, 3)])          # 12 reps
     e1 = torch.cat([shared, torch.randn(4, 3) + 5.0])
     e2 = torch.randn(12, 3) + 40.0
-    pos = [state_positions(4, 8, 4)] * 3                 # prompt 4 + 8 response tokens: states at 4, 8, 11
+    pos = [state_positions(4, 8, 4, "response")] * 3     # prompt 4 + 8 response tokens: states at 4, 8, 11
     assert pos[0] == [4, 8, 11]
     chains = hista_values([e0, e1, e2], pos, torch.tensor([1.0, 0.0, 1.0]), cfg)
     assert chains[0].tolist() == pytest.approx([2 / 3, 0.5, 1.0])
@@ -184,7 +184,7 @@ def test_hista_future_nodes_are_infinite_and_never_selected(monkeypatch):
     e = torch.randn(12, 3)
     monkeypatch.setattr(H, "prefix_distances", spy)
     cfg = HistaConfig(alpha=0.7, mean_window=1, min_interval=2, d_min=1.0, max_k=66, min_k=6)
-    pos = [state_positions(2, 10, 2)] * 2  # states at 2, 4, 6, 8, 10, 11
+    pos = [state_positions(2, 10, 2, "response")] * 2  # states at 2, 4, 6, 8, 10, 11
     # rollout 1 (R = 0) is near; rollout 0's future nodes carry reward 1 at small D but must be masked: with k
     # covering every node, V_1 averages rollout 0's nodes of length <= its own plus all of rollout 1's
     v = H.hista_values([e, e + 0.5 * torch.randn(12, 3)], pos, torch.tensor([1.0, 0.0]), cfg)[0]
@@ -204,10 +204,10 @@ def test_hista_future_nodes_are_infinite_and_never_selected(monkeypatch):
 
 
 def test_hista_gae_on_tokens():
-    cfg = HistaConfig(alpha=0.7, mean_window=1, min_interval=3, d_min=1.0, max_k=4, min_k=2)
+    cfg = HistaConfig(alpha=0.7, mean_window=1, min_interval=3, d_min=1.0, max_k=4, min_k=2, zero_last_token=False)
     torch.manual_seed(1)
     reps = [torch.randn(10, 4) for _ in range(2)]
-    pos = [state_positions(2, 8, 3)] * 2  # [2, 5, 8, 9]
+    pos = [state_positions(2, 8, 3, "response")] * 2  # [2, 5, 8, 9]
     r = torch.tensor([1.0, 0.0])
     adv = hista_token_advantages(reps, pos, [2, 2], [8, 8], r, 10, cfg)
     chain = hista_values(reps, pos, r, cfg)[0]
@@ -352,7 +352,7 @@ def test_update_slices_2d_advantages_per_micro_batch_padded_and_packed(packing):
 
 def test_dynamic_sampling_keeps_the_groups_nearest_half_and_problem_ids_are_stable(tiny_tokenizer):
     from datamodules.verifiable import Problems, generate_problems
-    from lightning_modules.hista.module import dynamic_sample
+    from lightning_modules.hista.sampling import dynamic_sample
     from tests.test_ps_ppo_packing import rollouts
 
     # 4 groups of 3: accuracies 1, 1/3, 0, 2/3 -> the two nearest 0.5 are groups 1 and 3 (|-1/6| ties: stable order)
@@ -406,3 +406,213 @@ def test_value_head_cv_picks_a_strong_ridge_for_noise_and_a_weak_one_for_signal(
     assert head.ridge >= 1e2 and (head(X) - noise.mean()).abs().max() < 0.1
     signal = X @ torch.randn(20)
     assert ValueHead(20).fit_cv(X, signal, groups).ridge <= 1e-1
+
+
+# --- the release's recipe (issue 38) ------------------------------------------------------------------------------
+CHAT = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_paper_scale_prompts_are_the_chat_template_with_the_release_system_prompt(tmp_path, tiny_tokenizer):
+    """Both releases render prompts with the tokenizer's chat template (Hista adds its system prompt): the datamodule's
+    prompt and ids equal apply_chat_template on a saved tokenizer; the tiny runs keep "Question: ...\\nAnswer:"."""
+    from datamodules.common.tokenizer import load_tokenizer
+    from datamodules.verifiable import PROMPT, VerifiableDataModule
+    from runner import compose
+
+    tiny_tokenizer.chat_template = CHAT
+    tiny_tokenizer.save_pretrained(tmp_path / "tok")
+    tok = load_tokenizer(pretrained=str(tmp_path / "tok"))
+    dm = VerifiableDataModule(tok, task="arithmetic", digits=1, n_val=4, n_test=4, chat_template=True,
+                              system_prompt="Box it.")
+    dm.setup()
+    item = dm.train_set[0]
+    messages = [{"role": "system", "content": "Box it."}, {"role": "user", "content": item["question"]}]
+    rendered = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert item["prompt"] == rendered and rendered.startswith("<|system|>Box it.")
+    assert item["prompt_ids"] == tok(rendered, add_special_tokens=False)["input_ids"]
+    plain = VerifiableDataModule(tok, task="arithmetic", digits=1, n_val=4, n_test=4)
+    plain.setup()
+    assert plain.train_set[0]["prompt"] == PROMPT.format(q=plain.train_set[0]["question"])
+    tiny_tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        VerifiableDataModule(tiny_tokenizer, task="arithmetic", digits=1, chat_template=True).setup()
+    for experiment in ("hista_qwen25_3b", "sveb_qwen25_3b"):
+        data = compose(experiment).data
+        assert data.chat_template and data.system_prompt.startswith("A conversation between a User and an Assistant")
+        assert data.system_prompt.endswith("in \\boxed{}.")
+    assert not compose("hista_tiny").data.chat_template
+
+
+def test_math_verify_reward_is_symbolic_equivalence_of_the_boxed_answer():
+    """The release's accuracy reward: \\frac12 = 0.5 = \\dfrac{1}{2}; the completion's answer must be boxed or
+    announced (no anchor-less guess); a GSM8K-style gold works; exact match cannot see the equivalences."""
+    from lightning_modules.common.rl.rewards import boxed_math_reward as math_equivalence_reward, exact_match_reward
+    from lightning_modules.common.rl.scorers import ExactMatch
+
+    assert math_equivalence_reward("so it is \\boxed{\\frac{1}{2}}", "0.5") == 1.0
+    assert math_equivalence_reward("\\boxed{0.5}", "\\dfrac{1}{2}") == 1.0
+    assert exact_match_reward("\\boxed{0.5}", "\\dfrac{1}{2}") == 0.0
+    assert math_equivalence_reward("\\boxed{x^2 + 2x + 1}", "(x+1)^2") == 1.0
+    assert math_equivalence_reward("The answer is \\boxed{7}", "3 + 4 = 7\n#### 7") == 1.0
+    assert math_equivalence_reward("\\boxed{8}", "7") == 0.0
+    assert math_equivalence_reward("3 + 4 = 7, I think 7", "7") == 0.0  # no box, no anchor
+    assert ExactMatch(compare="math_boxed")(["q"] * 2, ["\\boxed{2/4}", "\\boxed{3}"], ["\\frac{1}{2}", "4"]).tolist() == [1.0, 0.0]
+
+
+def test_hista_recipe_runs_the_release_batch_and_sveb_its_instruct_model():
+    """scripts/train/80G/math/train_qwen2.5-3B.sh: 2 processes x 4 per device x 16 accumulated = 128 completions (4
+    prompts of G 32) per optimizer step, 8 served for dynamic sampling x2, 4 PPO epochs: ~3,750 steps per epoch of
+    7,500 problems; math-verify reward. SVEB: Qwen2.5-3B-Instruct, the stratified math draw, math-verify."""
+    from runner import compose
+
+    cfg = compose("hista_qwen25_3b")
+    per_step = cfg.data.batch_size * cfg.trainer.devices
+    assert per_step * cfg.model.group_size == 128 and cfg.data.dynamic_sampling_scale == 2
+    served = per_step * cfg.data.dynamic_sampling_scale
+    assert abs(cfg.trainer.max_steps - 7500 / served * cfg.model.ppo_epochs) <= cfg.model.ppo_epochs
+    assert cfg.model.reward.compare == "math_boxed"
+    sveb = compose("sveb_qwen25_3b")
+    assert sveb.backbone.pretrained == "Qwen/Qwen2.5-3B-Instruct"
+    assert sveb.data._target_.endswith("SVEBDataModule") and sveb.model.reward.compare == "math_boxed"
+
+
+def test_sveb_problems_are_drawn_per_pass_rate_tier(tmp_path, tiny_tokenizer):
+    """The release's SVEB draw: per (lower, upper] pass-rate tier, per_tier problems (seeded), pass rates read from a
+    field or from the correct / wrong response lists; gold answers kept as stored."""
+    import json
+
+    from lightning_modules.hista.data import SVEBDataModule
+
+    rows = [{"problem": f"p{i}", "solution": f"\\frac{{{i}}}{{3}}", "pass_rate": i / 40} for i in range(40)]
+    rows += [{"problem": f"q{i}", "solution": "7", "correct_responses": ["a"] * i, "wrong_responses": ["b"] * (20 - i)}
+             for i in range(21)]
+    test = tmp_path / "sveb.jsonl"
+    test.write_text("\n".join(json.dumps(r) for r in rows))
+    train = tmp_path / "train.jsonl"
+    train.write_text(json.dumps({"problem": "t", "solution": "\\boxed{1}"}))
+    dm = SVEBDataModule(tiny_tokenizer, task="math", files=str(train), test_files=str(test), per_tier=3, n_test=None,
+                        val_fraction=0.0, val_files=str(train))
+    dm.setup()
+    picked = dm.test_set.items
+    assert len(picked) == 9
+    rate = {r["problem"]: r.get("pass_rate", len(r.get("correct_responses", [])) / 20) for r in rows}
+    tiers = [sum(lo < rate[it["question"]] <= hi for it in picked) for lo, hi in ((0.07, 0.17), (0.17, 0.37),
+                                                                                  (0.37, 0.77))]
+    assert tiers == [3, 3, 3]
+    stored = {r["problem"]: r["solution"] for r in rows}
+    assert all(it["answer"] == stored[it["question"]] for it in picked)
+    again = SVEBDataModule(tiny_tokenizer, task="math", files=str(train), test_files=str(test), per_tier=3,
+                           n_test=None, val_fraction=0.0, val_files=str(train))
+    again.setup()
+    assert [it["question"] for it in again.test_set.items] == [it["question"] for it in picked]
+
+
+def test_state_grid_counts_from_the_prompt_start_as_released():
+    """The release's steps_selection lays the grid from the prompt's first token and starts the first state at the
+    response start: the first response segment is min_interval - (L_p mod min_interval) tokens, the others
+    min_interval, the last up to the last token; ``response`` lays it from the response start (the spec's reading)."""
+    assert state_positions(7, 120, 50) == [7, 50, 100, 126]
+    assert state_positions(57, 100, 50) == [57, 100, 150, 156]
+    assert state_positions(100, 60, 50) == [100, 150, 159]  # a prompt on the grid: a full first segment
+    assert state_positions(100, 1, 50) == [100, 100]
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        P, n, mi = (int(torch.randint(1, 300, (1,), generator=g)), int(torch.randint(1, 400, (1,), generator=g)),
+                    int(torch.randint(2, 60, (1,), generator=g)))
+        pos = state_positions(P, n, mi)
+        assert pos[0] == P and pos[-1] == P + n - 1 and pos == sorted(pos)
+        inner = pos[1:-1]
+        assert all(p % mi == 0 for p in inner)  # multiples of the interval from the prompt's first token
+        if inner:
+            assert inner[0] - P == mi - P % mi and all(b - a == mi for a, b in zip(inner, inner[1:]))
+    with pytest.raises(ValueError, match="state_grid"):
+        state_positions(7, 10, 5, "tokens")
+
+
+def test_last_response_token_gets_zero_advantage_as_released():
+    """calculate_GAE_advantages ends its segments at the last token's index, so the last response token (usually
+    EOS) gets 0; every other token is unchanged. ``zero_last_token=False`` gives it R - V of its segment."""
+    torch.manual_seed(1)
+    reps = [torch.randn(12, 4) for _ in range(3)]
+    lengths = [9, 7, 9]
+    pos = [state_positions(3, n, 3) for n in lengths]
+    r = torch.tensor([1.0, 0.0, 1.0])
+    cfg = dict(alpha=0.7, mean_window=1, min_interval=3, d_min=1.0, max_k=4, min_k=2)
+    released = hista_token_advantages(reps, pos, [3] * 3, lengths, r, 10, HistaConfig(**cfg))
+    ours = hista_token_advantages(reps, pos, [3] * 3, lengths, r, 10, HistaConfig(**cfg, zero_last_token=False))
+    chains = hista_values(reps, pos, r, HistaConfig(**cfg))
+    for j, n in enumerate(lengths):
+        assert released[j, n - 1] == 0 and torch.allclose(ours[j, n - 1], r[j] - chains[j][-2])
+        assert torch.equal(released[j, :n - 1], ours[j, :n - 1]) and (released[j, n:] == 0).all()
+
+
+def test_numca_sveb_value_follows_the_release_sum_of_changes():
+    """sveb/numca: V(∅) plus each λ=0 segment's δ where the per-character advantage changes, before the cut. Planted
+    table: V(∅)=1/2, V({3})=3/4, V({3,5})=1; the response writes 3 (char 10) and 5 (char 100), reward 1."""
+    from lightning_modules.hista.numca import cut_value
+
+    t = NumcaTable()
+    for nums, r in ([["3", "5"], 1], [["3", "5"], 1], [["3"], 1], [["3"], 0], [[], 0], [[], 0]):
+        t.update("p", nums, r)
+    nums = [("3", 10), ("5", 100)]
+    assert cut_value(t, "p", nums, 1.0, 250, 150, protocol="exact") == pytest.approx(1.0)
+    # two equal δ (1/4, 1/4): no change between them, so the first is never added
+    assert cut_value(t, "p", nums, 1.0, 250, 150) == pytest.approx(0.75)
+    assert cut_value(t, "p", nums, 1.0, 250, 50) == pytest.approx(0.5)
+    # merged within 50 characters: 3 (char 10) snaps onto 5 (char 40), past a cut at 30
+    close = [("3", 10), ("5", 40)]
+    assert cut_value(t, "p", close, 1.0, 250, 30, protocol="exact") == pytest.approx(0.75)
+    assert cut_value(t, "p", close, 1.0, 250, 30) == pytest.approx(0.5)
+    assert cut_value(t, "p", close, 1.0, 250, 45) == pytest.approx(1.0)  # both counted once the cut passes 40
+
+
+def test_hista_sveb_value_is_the_node_before_the_cut_with_k_over_all_nodes():
+    """sveb/hista: all m + 1 states of sample 0 are online nodes, k follows the schedule over m + 1, and the value is
+    the last node before the cut's last token (a cut on the first response token wraps to the last node). Checked
+    against a brute-force mean-nearest-neighbour distance."""
+    from lightning_modules.hista.hista import cut_value, library
+
+    torch.manual_seed(3)
+    reps = [torch.randn(n, 3) for n in (14, 11, 16)]
+    pos = [state_positions(2, n - 2, 4) for n in (14, 11, 16)]  # [2, 4, 8, 12, 13], ...
+    r = torch.tensor([1.0, 0.0, 1.0])
+    cfg = HistaConfig(alpha=0.7, mean_window=1, min_interval=4, d_min=0.5, max_k=5, min_k=1)
+    plen, owner, node_len, returns = library(reps, pos, r, 1)
+
+    def brute(i):
+        a = int(plen[0][i])
+        P = reps[0][:a]
+        D = []
+        for k, L in zip(owner.tolist(), node_len.tolist()):
+            if k == 0 and L > a:
+                D.append(float("inf"))
+                continue
+            C = torch.cdist(P, reps[k][:L])
+            D.append(float(C.min(1).values.mean() if a >= L else C.min(0).values.mean()))
+        D = torch.tensor(D)
+        kk = min(5 - (5 - 1) // len(plen[0]) * i, int(torch.isfinite(D).sum()))
+        idx = D.argsort(stable=True)[:kk]
+        w = 1 / D[idx].clamp_min(0.5)
+        return float((w * returns[idx]).sum() / w.sum())
+
+    for cut in range(3, 13):  # prefix's last token index; node before it: the last state index < cut
+        i = max(j for j, p in enumerate(pos[0]) if p < cut)
+        assert cut_value(reps, pos, r, cut, cfg) == pytest.approx(brute(i), rel=1e-5)
+    assert cut_value(reps, pos, r, 2, cfg) == pytest.approx(brute(len(pos[0]) - 1), rel=1e-5)  # the wrap-around
+    assert cut_value(reps, pos, r, 5, cfg) == cut_value(reps, pos, r, 8, cfg)  # constant between states
+    assert cut_value(reps, pos, r, 5, cfg, "exact") != pytest.approx(cut_value(reps, pos, r, 8, cfg, "exact"))
+
+
+def test_knn_ties_under_d_min_are_broken_by_distance_then_node_order():
+    """The release clamps to d_min before its top-k, so with more than k nodes under d_min its pick is arbitrary
+    (torch.topk on ties); ours takes the nearest raw distances, equal ones in node order: deterministic."""
+    from lightning_modules.hista.hista import knn_value
+
+    D = torch.zeros(400)  # 400 identical prefixes (distance 0), the first 200 correct
+    returns = torch.cat([torch.ones(200), torch.zeros(200)])
+    assert knn_value(D, returns, 66, d_min=5.0) == 1.0  # the first 66 in node order
+    D = torch.tensor([0.5, 0.1, 0.1, 0.3, 7.0, float("inf")])  # four under d_min = 5: same weight, pick by distance
+    r = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0])
+    assert knn_value(D, r, 1, 5.0) == 0.0 and knn_value(D, r, 2, 5.0) == 0.5  # 0.1 (node 1), then 0.1 (node 2)
+    assert knn_value(D, r, 4, 5.0) == 0.5 and knn_value(D, r, 10, 5.0) == pytest.approx((2 / 5 + 1 / 7) / (4 / 5 + 1 / 7))

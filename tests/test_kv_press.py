@@ -301,3 +301,67 @@ def test_sliding_window_models_compress_the_layers_that_hold_the_context(ids, mo
         logp = sliding(input_ids=torch.cat([context[0], question, question[:2]])[None]).logits[0].log_softmax(-1)
     reference = -logp[-3:-1].gather(-1, question[:2].view(-1, 1)).mean().item()
     assert full.answer_nll[0] == pytest.approx(reference, abs=1e-4)
+
+
+# --- decoding-time token dropping (RLKV's baselines) ------------------------------------------------------------------
+def test_h2o_keeps_the_recent_half_and_the_top_accumulated_attention_half(model, ids):
+    """After a 40-token prefill at sparsity 0.6, window 4: budget int(40 x 0.4) + 4 = 20, so each head keeps its 10
+    latest entries and the 10 others with the highest attention summed over the prompt's queries and the group's
+    query heads (eager attention weights as the reference); decoding keeps the count at the growing budget."""
+    from transformers import DynamicCache
+
+    from lightning_modules.common.kv_press import H2O
+
+    context, _ = ids
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        att = model(input_ids=context, output_attentions=True).attentions
+    model.config._attn_implementation = "sdpa"
+    press = H2O(sparsity=0.6, window=4)
+    cache = DynamicCache(config=model.config)
+    with press(model), torch.no_grad():
+        model(input_ids=context, cache=cache, use_cache=True)
+        from lightning_modules.common.kv_press import attention_layers
+
+        layers = attention_layers(model)
+        for layer, a in zip(layers, att):
+            score = a[0].sum(1).view(2, 2, L_CTX).sum(1)  # (kv heads, keys)
+            for h in range(2):
+                kept = (~layer.press_evicted[0, h]).nonzero().flatten().tolist()
+                top = score[h, :L_CTX - 10].topk(10).indices.tolist()
+                assert kept == sorted(top + list(range(L_CTX - 10, L_CTX)))
+        assert press.summary()["kv_kept_fraction"] == pytest.approx(20 / L_CTX)
+        tok, expected = torch.tensor([[5]]), 20
+        for t in range(1, 9):  # one more entry each step; over the budget, back to 2 x int(budget / 2)
+            model(input_ids=tok, cache=cache, use_cache=True, position_ids=torch.tensor([[L_CTX + t - 1]]))
+            budget = int((L_CTX + t) * 0.4) + 4
+            expected = expected + 1 if expected + 1 <= budget else 2 * (budget // 2)
+            assert (~layers[0].press_evicted[0]).sum(-1).tolist() == [expected] * 2
+
+
+def test_rkv_evicts_a_buffer_of_the_latest_window_by_importance_and_redundancy(model, ids):
+    """R-KV with a 12-entry window, 4-entry buffer, 2 cached queries: a 40-token prefill over its budget evicts exactly
+    4 entries per head among the latest 12 but the last 2; older entries stay; at or under the window nothing goes.
+    Redundancy by hand on three equal keys and one orthogonal: each key's last > 0.5-similar partner is ignored."""
+    from transformers import DynamicCache
+
+    from lightning_modules.common.kv_press import RKV, attention_layers
+
+    context, _ = ids
+    press = RKV(sparsity=0.5, window=6, obs_window=2, fixed_size=12, buffer=4, kernel=3)
+    cache = DynamicCache(config=model.config)
+    with press(model), torch.no_grad():
+        model(input_ids=context, cache=cache, use_cache=True)
+        for layer in attention_layers(model):
+            ev = layer.press_evicted[0]
+            assert ev.sum(-1).tolist() == [4, 4]
+            assert not ev[:, :L_CTX - 12].any() and not ev[:, L_CTX - 2:].any()
+    small = RKV(sparsity=0.5, window=6, obs_window=2, fixed_size=64, buffer=4)
+    with small(model), torch.no_grad():
+        model(input_ids=context, cache=DynamicCache(config=model.config), use_cache=True)
+        assert all(not layer.press_evicted.any() for layer in attention_layers(model))  # 40 entries <= 64
+    keys = torch.tensor([[[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.0, 1.0]]])
+    # rows after zeroing: [0,1,0,0], [1,0,0,0], [1,0,0,0], [0,0,0,0] -> column means [.5, .25, 0, 0] -> softmax
+    torch.testing.assert_close(RKV.redundancy(keys)[0], torch.tensor([0.5, 0.25, 0.0, 0.0]).softmax(-1))
+    with pytest.raises(ValueError, match="sparsity"):
+        RKV(sparsity=1.0)

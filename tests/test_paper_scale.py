@@ -28,6 +28,8 @@ def derived_budget(cfg) -> dict:
     lr = float(model.optimizer.lr)
     if "group_size" in model:  # RL: prompts per rollout step; token counts follow the sampler
         return {"global_batch": per_step, "seq_len": None, "tokens": None, "lr": lr}
+    if data.get("seq_len") is None:  # variable lengths (DuoAttention's 1K-32K passkey contexts): no fixed token count
+        return {"global_batch": per_step, "seq_len": None, "tokens": None, "lr": lr}
     seq_len = int(data.seq_len)
     return {"global_batch": per_step, "seq_len": seq_len, "tokens": per_step * seq_len * int(tr.max_steps), "lr": lr}
 

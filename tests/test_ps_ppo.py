@@ -185,3 +185,17 @@ def test_module_hook_resamples_per_epoch_or_keeps_the_cutoff(setup):
     full = PSPPOModule(spec, cutoff="mixture_full", p_full=1.0)
     C, w = full.token_weights(ro, 0)
     assert torch.equal(C, ro.lengths) and torch.equal(w, ro.response_mask)
+
+
+@pytest.mark.parametrize("arms", [("grpo_tiny", "rloo_tiny", "ps_ppo_tiny"),
+                                  ("grpo_qwen25_7b", "rloo_qwen25_7b", "ps_ppo_qwen25_7b"),
+                                  ("grpo_rlhf_qwen25_7b", "ps_ppo_rlhf_qwen25_7b")])
+def test_baselines_pack_like_ps_ppo_so_the_gap_is_the_method(arms):
+    """Issue 38: PS-PPO packs its micro-batches; its GRPO / RLOO baselines must too, or part of the measured compute
+    and memory gap is padding. Every arm of a comparison packs, and otherwise differs from PS-PPO only in the model."""
+    from runner import compose
+
+    cfgs = {a: compose(a) for a in arms}
+    assert all(c.model.packing for c in cfgs.values()), {a: c.model.packing for a, c in cfgs.items()}
+    same = lambda c: (c.model.micro_batch_size, c.model.group_size, c.data.batch_size, c.model.aggregation)  # noqa: E731
+    assert len({same(c) for c in cfgs.values()}) == 1

@@ -146,7 +146,7 @@ from lightning_modules.rlkv.press import HeadMixedPress, allocate  # noqa: E402
 def test_allocation_compresses_exactly_round_s_LH_heads_globally(s):
     g = torch.Generator().manual_seed(0)
     gates = torch.rand(4, 6, generator=g)
-    stream = allocate(gates, s)
+    stream = allocate(gates, s, "round")
     k = round(s * 24)
     assert int(stream.sum()) == k
     if 0 < k < 24:
@@ -251,7 +251,8 @@ def test_press_bad_input():
 
 
 # --- the probe: penalty, hooks, clamp, tiny run ---------------------------------------------------------------
-from lightning_modules.rlkv.module import RLKVModule, sparsity_penalty  # noqa: E402
+from lightning_modules.rlkv.module import RLKVModule  # noqa: E402
+from lightning_modules.rlkv.penalty import sparsity_penalty  # noqa: E402
 
 
 @pytest.mark.parametrize("r_bar", [0.0, 0.3, 0.5, 0.75, 1.0])
@@ -275,15 +276,18 @@ def test_batch_advantage_normalisation_is_token_weighted():
     lengths = torch.tensor([3, 5, 2, 7, 1, 4, 6, 2])
     a = batch_normalize(grpo_advantages(r, 4), lengths, eps=0.0)
     w = lengths.float() / lengths.sum()
+    n = float(lengths.sum())
     assert float((w * a).sum()) == pytest.approx(0.0, abs=1e-6)
-    assert float((w * a ** 2).sum()) == pytest.approx(1.0, rel=1e-5)
+    assert float((w * a ** 2).sum()) == pytest.approx((n - 1) / n, rel=1e-5)  # AReaL's unbiased token std
+    a_pop = batch_normalize(grpo_advantages(r, 4), lengths, eps=0.0, unbiased=False)
+    assert float((w * a_pop ** 2).sum()) == pytest.approx(1.0, rel=1e-5)
 
 
 def test_gates_stay_in_unit_interval_after_a_step_at_lr_100(monkeypatch):
     from lightning_modules.common.rl import module as rl_module
     from lightning_modules.rlkv.mixed_attention import MixedAttention as MA
 
-    m = RLKVModule(backbone={"family": "llama"}, reg_scale=1.0, tau=0.0)
+    m = RLKVModule(backbone={"family": "llama"}, reg_scale=1.0, tau=0.0, penalty_scope="batch")
     m.mixed = MA(2, 2)
     opt = torch.optim.SGD(m.mixed.parameters(), lr=100.0)
 
@@ -293,8 +297,8 @@ def test_gates_stay_in_unit_interval_after_a_step_at_lr_100(monkeypatch):
         return 0.0
 
     monkeypatch.setattr(rl_module.RLModule, "_step", plain_step)
-    m._raw_mean = 1.0
-    m.regularizer(None).backward()  # the penalty alone pushes every gate down by lr * grad >> 1
+    m._raw = torch.ones(4)
+    m.regularizer(None, torch.arange(4)).backward()  # the penalty alone pushes every gate down by lr * grad >> 1
     m._step()
     assert float(m.mixed.gates.min()) == 0.0 and float(m.mixed.gates.max()) <= 1.0
     (-m.mixed.gates.sum()).backward()  # and up
@@ -386,3 +390,320 @@ def test_masks_in_every_form_give_the_same_keys():
     assert torch.equal(allowed_keys(additive, 6, 6, "cpu"), ref) and torch.equal(allowed_keys(pad, 6, 6, "cpu"), ref)
     # padding queries see only themselves; real ones their real causal past
     assert ref[0, 0, 0].nonzero().flatten().tolist() == [0] and ref[0, 0, 4].nonzero().flatten().tolist() == [2, 3, 4]
+
+
+# --- the release's recipe (issue 38) -----------------------------------------------------------------------------
+def planted_rollouts(rewards, lengths, group_size, prompt_len=2):
+    """Rollouts with the given rewards and response lengths (token ids are irrelevant to advantages)."""
+    from lightning_modules.common.rl.rollouts import Rollouts
+
+    lengths = torch.as_tensor(lengths)
+    T = int(lengths.max())
+    rmask = (torch.arange(T)[None] < lengths[:, None]).float()
+    N = len(lengths)
+    ids = torch.full((N, prompt_len + T), 5, dtype=torch.long)
+    am = torch.cat([torch.ones(N, prompt_len, dtype=torch.long), rmask.long()], 1)
+    ro = Rollouts(ids, am, prompt_len, rmask, group_size, ["x"] * N)
+    ro.rewards = torch.as_tensor(rewards, dtype=torch.float32)
+    return ro
+
+
+def recipe_module(monkeypatch, ro, *overrides):
+    """The paper-scale probe's model config (rlkv_r1_llama8b), its rollout step fed the planted rollouts."""
+    from types import SimpleNamespace
+
+    from hydra.utils import instantiate
+
+    from lightning_modules.common.rl import module as core
+    from runner import compose
+
+    module = instantiate(compose("rlkv_r1_llama8b", list(overrides)).model)
+    monkeypatch.setattr(core, "generate_rollouts", lambda *a, **k: planted_rollouts(ro.rewards, ro.lengths, 4))
+    module.get_tokenizer = lambda: SimpleNamespace(eos_token_id=1, pad_token_id=0)
+    monkeypatch.setattr(type(module), "score", lambda self, r, batch: ro.rewards.clone())
+    return module
+
+
+def test_advantages_are_the_reward_normalised_over_the_batch_only_as_the_recipe(monkeypatch):
+    """32 prompts x G 4 at accuracy 0.70: the recipe (AReaL adv_norm at batch level, no reward_norm) gives every token
+    (r - mean) / (unbiased token std + 1e-5); an all-correct group is pushed up, not to ~0 as group normalisation
+    does. ``model.advantage=grpo`` keeps group-then-batch as a switch."""
+    import numpy as np
+
+    per_group = [4] * 12 + [3] * 10 + [2] * 6 + [0] * 4
+    r = [float(i < c) for c in per_group for i in range(4)]
+    lengths = [10 + (i % 7) for i in range(128)]
+    ro = planted_rollouts(r, lengths, 4)
+    batch = {"prompt_ids": [[5, 5]] * 32, "prompt": ["q"] * 32, "answer": ["1"] * 32}
+    got = recipe_module(monkeypatch, ro).rollout(batch).advantages
+    tok = np.repeat(np.array(r), lengths)  # one value per response token, as AReaL normalises
+    ref = (np.array(r) - tok.mean()) / (tok.std(ddof=1) + 1e-5)
+    np.testing.assert_allclose(got.numpy(), ref, rtol=1e-5, atol=1e-6)
+    assert float(got[:48].min()) > 0.6  # all-correct groups: +0.65 per token
+
+    grouped = recipe_module(monkeypatch, ro, "model.advantage=grpo").rollout(batch).advantages
+    assert float(grouped[:48].abs().max()) < 0.05  # group then batch: an all-correct group gets ~0
+    flipped = float(((got > 0) != (grouped > 0)).float().mean())
+    assert flipped > 0.1  # a sizeable share of the rollouts change sign between the two
+
+
+def test_ffd_micro_batches_follow_areals_first_fit_decreasing():
+    from lightning_modules.rlkv.penalty import ffd_micro_batches
+
+    # 5000 opens; 4000 fits nowhere; 3000 joins 4000; 2000 joins 5000; 1000 fits nowhere (both at 7000)
+    assert sorted(ffd_micro_batches([5000, 4000, 3000, 2000, 1000], 7680)) == [[0, 3], [1, 2], [4]]
+    # equal lengths pair up in index order; min_groups opens that many first
+    assert ffd_micro_batches([3000] * 6, 7680) == [[0, 1], [2, 3], [4, 5]]
+    assert len(ffd_micro_batches([100] * 6, 7680, min_groups=3)) == 3
+    assert ffd_micro_batches([9000, 10], 7680) == [[0], [1]]  # over capacity: alone
+
+
+@pytest.mark.parametrize("scope", ["microbatch", "batch"])
+def test_penalty_per_micro_batch_weighted_by_token_share_stays_on_below_tau(scope):
+    """Planted: 10 rollouts of 100 prompt + 2900 response tokens, two per 7,680-token micro-batch, rewards
+    (1,1)(1,0)(0,0)(0,0)(0,0) (accuracy 0.3 < τ 0.5). The release's form: only the all-correct micro-batch is above τ
+    and weighs 2/10 of the tokens, so the multiplier is 0.2 (e − 1); one batch mean switches the penalty off."""
+    from lightning_modules.rlkv.mixed_attention import MixedAttention as MA
+
+    raw = torch.tensor([1.0, 1, 1, 0, 0, 0, 0, 0, 0, 0])
+    ro = planted_rollouts(raw, [2900] * 10, 2, prompt_len=100)
+    m = RLKVModule(backbone={"family": "llama"}, reg_scale=1e-3, tau=0.5, penalty_scope=scope)
+    m.mixed = MA(2, 2)
+    with torch.no_grad():
+        m.mixed.gates.copy_(torch.tensor([[0.2, 0.9], [0.5, 1.0]]))
+    m._raw = raw
+    pen = m.regularizer(ro, torch.arange(10))
+    expected = 1e-3 * 0.2 * (math.e - 1) * 0.65 if scope == "microbatch" else 0.0
+    assert float(pen) == pytest.approx(expected, rel=1e-6, abs=1e-12)
+    # the token share, not the row count, weighs a micro-batch: rows 0-2 (all correct, 3000 + 3000 + 1100 tokens)
+    # pack into one, the other seven (1100 each, all wrong) into two more
+    ro_long = planted_rollouts(raw, [2900, 2900] + [1000] * 8, 2, prompt_len=100)
+    m.penalty_scope = "microbatch"
+    w = float(m.regularizer(ro_long, torch.arange(10))) / (1e-3 * 0.65)
+    assert w == pytest.approx(6800 / 13800 * (math.e - 1), rel=1e-6)
+
+
+def test_top_k_reaches_the_sampler_and_each_recipe_samples_as_released():
+    """top_k=1 sampling is greedy whatever the temperature (the core passes top_k to generate); the Qwen3 probe samples
+    at T 0.6 / top-p 0.95 / top-k 20 (qwen3_grpo.yaml), the R1-distilled ones at T 1 (deepseek_grpo.yaml); AdamW weight
+    decay 0.017 in both recipes, on the gates (2-D, so in the decayed group)."""
+    from hydra.utils import instantiate
+
+    from lightning_modules.common.rl.rollouts import generate_rollouts
+    from runner import compose
+
+    model = tiny_llama(torch.float32)
+    torch.manual_seed(0)
+    sampled = generate_rollouts(model, [[5, 6, 7]], 4, 6, None, 0, temperature=1.5, top_k=1)
+    greedy = generate_rollouts(model, [[5, 6, 7]], 1, 6, None, 0, temperature=0.0)
+    assert all(torch.equal(row, greedy.input_ids[0]) for row in sampled.input_ids)
+    qwen3, llama = (instantiate(compose(e).model) for e in ("rlkv_qwen3_4b_thinking", "rlkv_r1_llama8b"))
+    assert (qwen3.temperature, qwen3.top_p, qwen3.top_k) == (0.6, 0.95, 20)
+    assert (llama.temperature, llama.top_p, llama.top_k) == (1.0, 1.0, 0)
+    for m in (qwen3, llama):
+        m.mixed = MixedAttention(2, 2)
+        decayed = next(g for g in m.param_groups() if any(p is m.mixed.gates for p in g["params"]))
+        assert decayed["weight_decay"] == pytest.approx(0.017)
+
+
+def test_press_generate_follows_the_release_protocol(prompt):
+    """RLKV's eval/bench/pred.py: each row generates up to max_length - its prompt length; the last prompt tokens are
+    decoded one at a time (exact without a press, through the window with one); degenerate repetition stops a row."""
+    from lightning_modules.rlkv.evaluation import press_generate
+
+    model = tiny_llama(torch.float64)
+    ids, mask = prompt
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]  # 20 and 15 tokens
+    out = press_generate(model, None, prompts, 100, eos_id=None, pad_id=0, max_length=24)
+    assert out["tokens"].shape == (2, 9)
+    for p, row, n in zip(prompts, out["tokens"], (4, 9)):
+        with torch.no_grad():
+            ref = model.generate(input_ids=torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                                 eos_token_id=None)[0, len(p):]
+        assert torch.equal(row[:n], ref) and not row[n:].any()  # then padding
+    sim = press_generate(model, None, prompts, 6, None, 0, decode_simulation=50)  # capped at the shortest - 1
+    assert torch.equal(sim["tokens"], press_generate(model, None, prompts, 6, None, 0)["tokens"])
+    press = HeadMixedPress(source="all_streaming", sink=2, recent=4)
+    with_sim = press_generate(model, press, prompts[:1], 6, None, 0, decode_simulation=10, targets=out["tokens"][:1])
+    without = press_generate(model, press, prompts[:1], 6, None, 0, targets=out["tokens"][:1])
+    assert with_sim["nll"] != pytest.approx(without["nll"], rel=1e-6)  # the tail saw the window, not the whole prompt
+    assert with_sim["kv_kept_fraction"] == pytest.approx(without["kv_kept_fraction"])
+
+    class Constant(torch.nn.Module):  # a head that always predicts token 7: endless repetition
+        def forward(self, h):
+            out = torch.zeros(*h.shape[:-1], 61, dtype=h.dtype)
+            out[..., 7] = 1.0
+            return out
+
+    model.lm_head = Constant()
+    rep = press_generate(model, None, prompts, 100, None, 0, repeat_window=20)
+    assert [len(c) for c in rep["completions"]] == [40, 40]  # first checked at 40 (past one window): 1 distinct < 2
+    assert [len(c) for c in press_generate(model, None, prompts, 30, None, 0)["completions"]] == [30, 30]
+    assert press_generate(model, None, prompts, 30, [3, 7], 0)["completions"] == [[], []]  # any EOS of a list stops
+
+
+def test_allocation_counts_heads_below_the_release_quantile_and_reads_released_gate_files(tmp_path):
+    """sparsify_attention_heads: heads strictly below numpy's s-quantile stream (= ceil(s (n - 1)) for distinct gates,
+    one fewer than round(s n) at e.g. s = 0.6 of 256); ties by (layer, head) order; released adapter_weights.tsv
+    files (gates outside [0, 1], their training clamps before the forward) are read and clipped."""
+    import numpy as np
+
+    g = torch.rand(32, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for s in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9):
+        stream = allocate(g, s)
+        assert int(stream.sum()) == int((g.numpy() < np.quantile(g.numpy(), s)).sum())
+        assert g[stream].max() < g[~stream].min()
+    assert int(allocate(g, 0.6).sum()) == 153 and int(allocate(g, 0.6, "round").sum()) == 154
+    tied = torch.tensor([[0.5, 0.2], [0.5, 0.5]])
+    assert allocate(tied, 0.5).tolist() == [[True, True], [False, False]]  # 2 of 4: the 0.2 and the first 0.5
+    path = tmp_path / "adapter_weights.tsv"
+    path.write_text("1.2\t-0.1\n0.4\t0.7\n")
+    press = HeadMixedPress(gates=str(path), sparsity=0.5)
+    assert press.allocation(2, 2).tolist() == [[False, True], [True, False]]
+    from lightning_modules.rlkv.press import load_gates
+
+    assert load_gates(str(path)).tolist() == [[1.0, 0.0], [0.4, 0.7]]
+    with pytest.raises(ValueError, match="head_count"):
+        HeadMixedPress(gates=GATES, head_count="floor")
+
+
+def test_rollout_chunks_bound_the_generate_batch_and_the_paper_probes_fit_their_gpus():
+    """rollout_chunk: generate sees at most chunk sequences per call (chunk // G prompts), greedy output unchanged;
+    the paper probes (16 prompts x G 4 per GPU, 1,024 + 7,168 tokens) hold bf16 weights + the KV cache of one chunk
+    in an 80 GB A100 with room to spare, where one call for all 64 sequences would not for R1-Llama-8B / Qwen3-4B."""
+    from lightning_modules.common.backbone import build_backbone, count_parameters
+    from lightning_modules.common.rl.rollouts import generate_rollouts
+    from runner import compose
+
+    model = tiny_llama(torch.float32)
+    calls = []
+    generate = model.generate
+    model.generate = lambda **kw: calls.append(kw["input_ids"].shape[0] * kw["num_return_sequences"]) or generate(**kw)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16]]
+    whole = generate_rollouts(model, prompts, 3, 5, None, 0, temperature=0.0)
+    calls.clear()
+    chunked = generate_rollouts(model, prompts, 3, 5, None, 0, temperature=0.0, chunk=6)
+    assert calls == [2, 2, 1] and torch.equal(chunked.input_ids, whole.input_ids)  # greedy: one sequence per prompt
+    torch.manual_seed(0)
+    calls.clear()
+    sampled = generate_rollouts(model, prompts, 3, 5, None, 0, temperature=1.0, chunk=6)
+    assert calls == [6, 6, 3] and sampled.input_ids.shape[0] == 15
+    for experiment in ("rlkv_r1_llama8b", "rlkv_r1_qwen7b", "rlkv_qwen3_4b_thinking"):
+        from omegaconf import OmegaConf
+
+        cfg = compose(experiment)
+        spec = OmegaConf.to_container(cfg.backbone, resolve=True)
+        c = spec["config"]
+        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        kv_per_token = c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * 2 * 2
+        tokens = cfg.data.max_prompt_tokens + cfg.model.max_new_tokens
+        weights = 2 * count_parameters(build_backbone(spec, meta=True))
+        sequences = cfg.data.batch_size * cfg.model.group_size
+        chunked_gb = (weights + cfg.model.rollout_chunk * tokens * kv_per_token) / 1e9
+        assert cfg.model.rollout_chunk and chunked_gb < 0.6 * 80, (experiment, chunked_gb)
+        if experiment != "rlkv_r1_qwen7b":  # 4 KV heads: even unchunked it fits
+            assert (weights + sequences * tokens * kv_per_token) / 1e9 > 0.85 * 80, experiment
+
+
+def test_duo_trains_as_released_schedule_block_window_and_qa_span(tiny_tokenizer):
+    """base/duo_attn/train.py: lr x min(1, max((t+1)/(N//5), .1), max((N-t)/(N//5), .1)); the 128-token block window;
+    data.py: one question + key + separator per pass key after the context, the whole QA span supervised; context
+    lengths evenly spaced from n_tokens_min to n_tokens."""
+    from lightning_modules.rlkv.data import MultiPasskeyDataModule
+    from lightning_modules.rlkv.duo import duo_schedule
+    from runner import compose
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sch = duo_schedule(opt, 2000)
+    factors = []
+    for _ in range(2000):
+        factors.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sch.step()
+    assert factors[0] == pytest.approx(0.1) and factors[199] == pytest.approx(0.5) and factors[399] == 1.0
+    assert factors[1000] == 1.0 and factors[1700] == pytest.approx(0.75) and factors[1999] == pytest.approx(0.1)
+    paper = compose("duoattn_r1_llama8b")
+    assert paper.model.window == "block" and paper.model.block == 128 and paper.data.layout == "qa_span"
+    assert paper.model.scheduler._target_.endswith("duo_schedule") and paper.trainer.max_steps == 2000
+
+    dm = MultiPasskeyDataModule(tiny_tokenizer, n_tokens=300, n_tokens_min=200, length_intervals=3, n_keys=4,
+                                n_train=3, n_val=1)
+    dm.setup()
+    for i, target in enumerate((200, 250, 300)):
+        ids, sup = dm.train_set[i]
+        span = [t for t, s in zip(ids, sup) if s]
+        first = sup.index(1)
+        assert all(sup[first:]) and not any(sup[:first])  # one contiguous span at the end
+        text = tiny_tokenizer.decode(span)
+        assert text.count("What is pass key number") == 4 and text.endswith("\n\n")
+        keys = [line.split("Pass key: ")[1] for line in text.split("\n\n") if "Pass key: " in line]
+        context = tiny_tokenizer.decode(ids[:first])
+        assert all(f"Pass key number {j + 1} is: {k}." in context for j, k in enumerate(keys))
+        assert abs(first - target) < 20  # the context runs about n_tokens (+ intro / closing lines)
+    recite = MultiPasskeyDataModule(tiny_tokenizer, n_tokens=200, n_keys=4, n_train=1, n_val=1, layout="recite")
+    recite.setup()
+    ids, sup = recite.train_set[0]
+    assert "," in tiny_tokenizer.decode([t for t, s in zip(ids, sup) if s])  # the keys recited, only they supervised
+
+
+@pytest.mark.parametrize("name", ["h2o", "rkv"])
+def test_token_dropping_baselines_decode_a_left_padded_batch_at_the_matched_budget(prompt, name):
+    """The table's H2O / R-KV rows through the evaluation decoder (model/press=h2o|rkv, matched sparsity): a padded row
+    and an unpadded one decode, well under the full cache."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from lightning_modules.rlkv.evaluation import press_generate
+
+    model = tiny_llama(torch.float32)
+    ids, mask = prompt
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    cfg = OmegaConf.load(f"conf/model/press/{name}.yaml")
+    cfg.sparsity, cfg.window = 0.5, (4 if name == "h2o" else 8)
+    if name == "rkv":
+        cfg.fixed_size, cfg.buffer, cfg.obs_window = 12, 4, 2
+    press = instantiate(cfg)
+    out = press_generate(model, press, prompts, 8, None, 0)
+    assert out["tokens"].shape == (2, 8) and out["kv_kept_fraction"] < 0.8  # the budget's exact counts: test_kv_press
+
+
+def test_every_press_of_the_rlkv_table_instantiates_from_the_eval_config():
+    """rlkv_eval_<model> with head_mixed (gates), h2o or rkv (no gates key leaks into the token-dropping presses)."""
+    from hydra.utils import instantiate
+
+    from runner import compose
+
+    for name, cls in (("head_mixed", "HeadMixedPress"), ("h2o", "H2O"), ("rkv", "RKV")):
+        press = instantiate(compose("rlkv_eval_r1_llama8b", [f"model/press={name}"]).model.press)
+        assert type(press).__name__ == cls and press.sparsity == 0.4
+
+
+@pytest.mark.parametrize("cls", ["rlkv", "duo"])
+def test_clamp_before_forward_is_the_release_timing(monkeypatch, cls):
+    """clamp=before_forward (AReaL's train_batch, DuoAttention's train.py): a step may leave gates outside [0, 1]; the
+    next training forward (grad on) clamps them first, no-grad passes do not. after_step (ours) clamps at the step."""
+    from lightning_modules.common.rl import module as rl_module
+    from lightning_modules.rlkv.duo import DuoAttentionModule
+
+    make = (lambda **kw: RLKVModule(backbone={"family": "llama"}, sink=2, recent=4, **kw)) if cls == "rlkv" else \
+        (lambda **kw: DuoAttentionModule(backbone={"family": "llama"}, sink=2, recent=4, **kw))
+    monkeypatch.setattr(rl_module.RLModule, "_step", lambda self: 0.0)
+    ids = torch.randint(2, 61, (1, 12), generator=torch.Generator().manual_seed(0))
+    outside = torch.tensor([[1.4, -0.3], [0.5, 2.0]], dtype=torch.float64)
+    for clamp in ("before_forward", "after_step"):
+        m = make(clamp=clamp)
+        m.model = m.install_gates(tiny_llama(), m.window)
+        m.mixed.double()
+        with torch.no_grad():
+            m.mixed.gates.copy_(outside)  # as an optimizer step may leave them
+        m._step() if cls == "rlkv" else m.on_train_batch_end(None, None, 0)
+        stepped = m.mixed.gates.detach().clone()
+        with torch.no_grad():
+            m.model(input_ids=ids)
+        assert torch.equal(m.mixed.gates.detach(), stepped)  # a no-grad pass (rollout, log-probs) changes nothing
+        m.model(input_ids=ids)
+        clamped = outside.clamp(0, 1)
+        assert torch.equal(stepped, outside if clamp == "before_forward" else clamped)
+        assert torch.equal(m.mixed.gates.detach(), clamped)
+    with pytest.raises(ValueError, match="clamp"):
+        make(clamp="never")

@@ -17,6 +17,9 @@ The contract is kvpress's (NVIDIA), re-implemented for transformers 5.x (where t
   (kvpress stores them in top-k order; attention is permutation-invariant over cached keys, so this is equivalent).
 - Baseline scorers: ``KeyDiff``, ``KNorm``, ``SnapKV``, ``StreamingLLM``, ``Random``. A paper's own scorer lives in
   its package (ManifoldKV: ``lightning_modules/manifoldkv/press.py``).
+- Decoding-time token dropping (``DecodingDropPress``: ``H2O``, ``RKV``, RLKV's baselines): evict while generating,
+  after each attention (``module.press_update``, called by the masked attention), down to a budget that grows with
+  the tokens seen.
 - Wrappers take any scorer: ``AdaKV`` (head-adaptive budget inside a layer, evicted positions *masked* through a
   masked attention function, cache length unchanged) and ``Block`` (KeyDiff's block-wise prefill: keep, append
   the next block, rescore).
@@ -358,9 +361,181 @@ class Block(Wrapper):
         return _gather(keys, kept), _gather(values, kept)
 
 
+# --- decoding-time token dropping (RLKV's baselines) ----------------------------------------------------------------
+def _allowed(attention_mask, evicted, q_len: int, K: int, B: int, device) -> torch.Tensor:
+    """(B, 1, q, K) bool: the keys each query of this forward may see (causal, padding, not evicted)."""
+    allowed = torch.ones(q_len, K, dtype=torch.bool, device=device).tril(K - q_len)[None, None].expand(B, 1, -1, -1)
+    if attention_mask is not None:
+        am = attention_mask[..., -q_len:, -K:]
+        allowed = allowed & (am if am.dtype == torch.bool else am == 0)
+    return allowed
+
+
+@dataclass
+class DecodingDropPress(Press):
+    """A press that drops tokens while decoding, through the masked attention: before every attention it scores the
+    cache and evicts (for the next forward) down to a budget that grows with the tokens seen,
+    ``int(seen · (1 − sparsity)) + window`` per
+    row (the RLKV release's ``BaseSampler``; ``window`` = the head-wise press's sink + recent, so the baselines keep
+    as many entries as RLKV at the same s). Evicted entries stay in the cache but are masked (same logits as a cropped
+    cache)."""
+
+    sparsity: float = 0.5
+    window: int = 80
+    needs_mask = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0.0 <= self.sparsity < 1.0 or self.window < 1:
+            raise ValueError(f"sparsity={self.sparsity}, window={self.window}: sparsity in [0, 1) (budget ratio "
+                             "1 - sparsity), window >= 1")
+
+    @property
+    def budget_ratio(self) -> float:
+        return round(1.0 - self.sparsity, 5)
+
+    def budget(self, seen: torch.Tensor) -> torch.Tensor:
+        return (seen.double() * self.budget_ratio).long() + self.window
+
+    def compress(self, module, hidden_states, keys, values, kwargs):
+        return keys, values  # evicted in the attention itself
+
+    def _pre_hook(self, module, args, kwargs):
+        super()._pre_hook(module, args, kwargs)
+        if getattr(module, "press_prefill", False) or kwargs.get("cache", kwargs.get("past_key_values")) is None:
+            module.press_state = None  # a new sequence
+
+    def update(self, module, query, key, attention_mask) -> None:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def __call__(self, model):
+        layers = attention_layers(model)
+        for m in layers:
+            m.press_update, m.press_state = self.update, None
+        try:
+            with super().__call__(model) as press:
+                yield press
+        finally:
+            for m in layers:
+                m.press_update, m.press_state = None, None
+
+
+@dataclass
+class H2O(DecodingDropPress):
+    """H2O (Zhang et al., 2023) as RLKV's release runs it (``base/h2o_kv_cache.py``): every forward adds the attention
+    each cached entry receives (summed over the new queries and the query heads of its KV group) to its score; once a
+    row holds more than the budget, each head keeps its int(budget/2) most recent entries and the int(budget/2)
+    highest-scored others (ties: the earlier entry)."""
+
+    def update(self, module, query, key, attention_mask) -> None:
+        B, Hq, n, _ = query.shape
+        H, K = key.shape[1], key.shape[-2]
+        state = module.press_state or {"score": key.new_zeros(B, H, 0, dtype=torch.float32),
+                                       "seen": torch.zeros(B, dtype=torch.long, device=key.device)}
+        evicted = F.pad(module.press_evicted, (0, K - module.press_evicted.shape[-1])) \
+            if module.press_evicted is not None else torch.zeros(B, H, K, dtype=torch.bool, device=key.device)
+        allowed = _allowed(attention_mask, None, n, K, B, key.device)
+        real_q = allowed[:, 0].diagonal(K - n, dim1=-2, dim2=-1)  # (B, n): a query is real if it sees itself
+        see = allowed & ~repeat_kv(evicted, Hq // H)[:, :, None]
+        logits = (query.float() @ repeat_kv(key.float(), Hq // H).transpose(-1, -2)) * getattr(module, "scaling", 1.0)
+        probs = logits.masked_fill(~see, float("-inf")).softmax(-1).nan_to_num(0.0) * real_q[:, None, :, None]
+        score = F.pad(state["score"], (0, K - state["score"].shape[-1])) + probs.sum(2).view(B, H, -1, K).sum(2)
+        seen = state["seen"] + real_q.sum(-1)
+        budget = self.budget(seen)
+        half = budget // 2
+        visible = allowed[:, 0, -1][:, None].expand(-1, H, -1) & ~evicted
+        from_end = visible.flip(-1).long().cumsum(-1).flip(-1)  # 1 = the latest visible entry
+        recent = visible & (from_end <= half[:, None, None])
+        candidates = visible & ~recent
+        ranked = score.masked_fill(~candidates, float("-inf"))
+        order = torch.argsort(-ranked, dim=-1, stable=True)
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(K, device=key.device).expand_as(order))
+        keep = recent | (candidates & (rank < half[:, None, None]))
+        over = visible.sum(-1) > budget[:, None]
+        module.press_evicted = evicted | (over[..., None] & visible & ~keep)
+        module.press_state = {"score": score, "seen": seen}
+
+
+@dataclass
+class RKV(DecodingDropPress):
+    """R-KV (Cai et al., 2025) as RLKV's release runs it (``base/h2o_kv_cache.py`` ``RKV``): the last ``obs_window``
+    (8) queries are cached; once a row holds more than its budget (window shrunk to ``window`` −
+    G·``obs_window``/2 for that query cache, G the query heads per KV head), the latest ``fixed_size`` (512) entries
+    but the last ``obs_window`` are scored by ``mix_lambda`` (0.1) · importance − (1 − ``mix_lambda``) · redundancy
+    and ``buffer`` (128) of them are evicted; entries older than the window stay. Importance: the cached queries'
+    softmax attention over those entries, mean over queries, max over the group's heads, max-pooled over ``kernel``
+    (7) neighbours. Redundancy: each entry's mean cosine similarity to the window's keys (self excluded, and each
+    key's last > 0.5-similar partner ignored), softmax over the window. While a row holds <= ``fixed_size`` entries
+    nothing is evicted (as released)."""
+
+    obs_window: int = 8
+    fixed_size: int = 512
+    buffer: int = 128
+    kernel: int = 7
+    mix_lambda: float = 0.1
+
+    def update(self, module, query, key, attention_mask) -> None:
+        B, Hq, n, d = query.shape
+        H, K = key.shape[1], key.shape[-2]
+        G = Hq // H
+        window = int(self.window - G * self.obs_window / 2)
+        if window <= 0:
+            raise ValueError(f"R-KV: window {self.window} - {G} query heads per KV head x obs_window {self.obs_window}"
+                             " / 2 <= 0: raise model.press.window")
+        state = module.press_state or {"queries": query.new_zeros(B, Hq, 0, d),
+                                       "seen": torch.zeros(B, dtype=torch.long, device=key.device)}
+        evicted = F.pad(module.press_evicted, (0, K - module.press_evicted.shape[-1])) \
+            if module.press_evicted is not None else torch.zeros(B, H, K, dtype=torch.bool, device=key.device)
+        allowed = _allowed(attention_mask, None, n, K, B, key.device)
+        real_q = allowed[:, 0].diagonal(K - n, dim1=-2, dim2=-1)
+        queries = torch.cat([state["queries"], query], 2)[:, :, -self.obs_window:]
+        seen = state["seen"] + real_q.sum(-1)
+        budget = (seen.double() * self.budget_ratio).long() + window  # the query cache's share taken off the window
+        visible = allowed[:, 0, -1][:, None].expand(-1, H, -1) & ~evicted
+        for b in range(B):
+            count = int(visible[b, 0].sum())
+            if count <= int(budget[b]) or count <= self.fixed_size:
+                continue
+            idx = torch.stack([visible[b, h].nonzero().flatten()[-self.fixed_size:] for h in range(H)])  # (H, W)
+            k = key[b].float().gather(1, idx[..., None].expand(-1, -1, d))
+            past = self.fixed_size - self.obs_window
+            logits = queries[b].float() @ repeat_kv(k[None], G)[0].transpose(-1, -2) * getattr(module, "scaling", 1.0)
+            attn = logits[..., :past].softmax(-1).mean(1).view(H, G, past).amax(1)
+            attn = F.max_pool1d(attn[None], self.kernel, padding=self.kernel // 2, stride=1)[0]
+            score = self.mix_lambda * attn - (1 - self.mix_lambda) * self.redundancy(k)[:, :past]
+            drop = score.topk(past - (self.fixed_size - self.buffer - self.obs_window), -1, largest=False).indices
+            evicted[b].scatter_(1, idx.gather(1, drop), True)
+        module.press_evicted = evicted
+        module.press_state = {"queries": queries, "seen": seen}
+
+    @staticmethod
+    def redundancy(keys: torch.Tensor, threshold: float = 0.5) -> torch.Tensor:
+        """(H, W) keys -> (H, W): softmax over the window of each key's mean cosine similarity to the others, with
+        each key's last partner above ``threshold`` (index 0 if none, as released) zeroed first."""
+        kn = keys / (keys.norm(dim=-1, keepdim=True) + 1e-8)
+        sim = kn @ kn.transpose(-1, -2)
+        sim.diagonal(dim1=-2, dim2=-1).zero_()
+        W = sim.shape[-1]
+        last = torch.where(sim > threshold, torch.arange(W, device=sim.device), 0).amax(-1)
+        sim.scatter_(-1, last[..., None], 0.0)
+        return sim.mean(1).softmax(-1)
+
+
 # --- masked attention (AdaKV) --------------------------------------------------------------------------
 def masked_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    """Attention that also hides the positions a press evicted (``module.press_evicted``: batch x kv_heads x L_ctx)."""
+    """Attention that also hides the positions a press evicted (``module.press_evicted``: batch x kv_heads x L_ctx).
+    A press that evicts while decoding (H2O, R-KV) sets ``module.press_update``: it runs after the attention, on this
+    forward's post-RoPE queries and the whole cache, and evicts for the next forward (the released samplers attend
+    over the previous step's cropped cache plus the new token, then crop)."""
+    out = _masked_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    update = getattr(module, "press_update", None)
+    if update is not None:
+        update(module, query, key, attention_mask)
+    return out
+
+
+def _masked_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     evicted = getattr(module, "press_evicted", None)
     if evicted is None:  # nothing evicted in this layer yet (e.g. during prefill): plain sdpa
         from transformers.integrations.sdpa_attention import sdpa_attention_forward

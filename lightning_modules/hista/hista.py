@@ -6,13 +6,19 @@ Per rollout, over its unpadded prompt + response last-layer states h_t:
    output e_t / (1 − α^{t+1}). With ``h0`` the correction over-scales early tokens (constant 1, α = 0.7: 3.333,
    1.961, 1.522, …); kept for faithfulness.
 2. keep every ``mean_window``-th smoothed vector: E = (ẽ_0, ẽ_w, ẽ_2w, …).
-3. :func:`state_positions` — states every ``min_interval`` response tokens from the response start, plus the last
-   token; the prefix of a state at token index p is E[: p // w + 1].
+3. :func:`state_positions` — states every ``min_interval`` tokens plus the last token; the prefix of a state at token
+   index p is E[: p // w + 1]. ``state_grid``: ``prompt`` (default, the release's ``steps_selection``: the grid runs
+   from the prompt's first token, so the first response segment is min_interval − (L_p mod min_interval) tokens)
+   or ``response`` (from the response start, as the spec reads 3.3; on a recipe-like batch 92% of the tokens' advantages
+   differ between the two).
 4. Library: every (rollout of the group, state) with that rollout's return. :func:`prefix_distances` — mean
    nearest-neighbour distance from the longer prefix into the shorter; a same-rollout node longer than the online
    prefix is ∞ (future leakage). One cdist per pair of rollouts, cummin/cumsum give every prefix pair at once.
 5. :func:`hista_values` — intermediate state j (0-based, of M) averages the k_j = max_k − ⌊(max_k − min_k)/M⌋·j
-   nearest nodes with weights 1/max(D, d_min)^t. Values [group mean, V_1 … V_{m−1}, R], then GAE.
+   nearest nodes with weights 1/max(D, d_min)^t (:func:`knn_value`: ties under d_min broken deterministically). Values [group mean, V_1 … V_{m−1}, R], then GAE over the segments
+   between states. ``zero_last_token`` (default, the release's ``calculate_GAE_advantages``: its segments end at the
+   last token's index, which so belongs to none) gives the last response token (usually EOS) advantage 0; off, it
+   gets R − V like the rest of its segment (the spec's reading).
 
 Recipe values (used by the configs): α 0.7, mean_window 5, min_interval 50, d_min 5, t 1, max_k 66, min_k 6, λ 1.
 The released dataclass defaults differ (α 0.97, mean_window 150, d_min 3); the recipes override them.
@@ -42,11 +48,20 @@ def ema_smooth(h: torch.Tensor, alpha: float, init: str = "h0") -> torch.Tensor:
     return out
 
 
-def state_positions(prompt_len: int, length: int, min_interval: int) -> list[int]:
-    """Token indices (in the unpadded prompt + response) of states p_0 … p_m: the response start, every
-    ``min_interval`` response tokens after it, and the last token."""
+STATE_GRIDS = ("prompt", "response")
+
+
+def state_positions(prompt_len: int, length: int, min_interval: int, grid: str = "prompt") -> list[int]:
+    """Token indices (in the unpadded prompt + response) of states p_0 … p_m: the response start, the grid points
+    after it, and the last token. ``grid``: ``prompt`` — multiples of ``min_interval`` counted from the prompt's first
+    token (the release); ``response`` — every ``min_interval`` tokens from the response start."""
+    if grid not in STATE_GRIDS:
+        raise ValueError(f"model.state_grid={grid!r}: choose prompt (the release) or response")
     last = prompt_len + length - 1
-    return (list(range(prompt_len, last, min_interval)) or [prompt_len]) + [last]
+    if grid == "response":
+        return (list(range(prompt_len, last, min_interval)) or [prompt_len]) + [last]
+    points = [g for g in range(0, last, min_interval) if g > prompt_len - min_interval]  # the first is <= prompt_len
+    return [prompt_len] + points[1:] + [last]
 
 
 def prefix_distances(online: torch.Tensor, library: torch.Tensor) -> torch.Tensor:
@@ -77,8 +92,12 @@ class HistaConfig:
     min_k: int = 6
     lam: float = 1.0
     ema_init: str = "h0"
+    state_grid: str = "prompt"
+    zero_last_token: bool = True
 
     def __post_init__(self):
+        if self.state_grid not in STATE_GRIDS:
+            raise ValueError(f"model.state_grid={self.state_grid!r}: choose prompt (the release) or response")
         if self.ema_init not in EMA_INITS:
             raise ValueError(f"model.ema_init={self.ema_init!r}: choose one of {', '.join(EMA_INITS)}")
         if isinstance(self.d_min, str) and self.d_min != "median":
@@ -98,9 +117,14 @@ def representations(states: list[torch.Tensor], cfg: HistaConfig) -> list[torch.
 
 
 def knn_value(D: torch.Tensor, returns: torch.Tensor, k: int, d_min: float, power: float = 1.0) -> float:
-    """Σ w R / Σ w over the k nearest finite nodes, w = 1/max(D, d_min)^power."""
-    d, idx = D.topk(min(k, int(torch.isfinite(D).sum())), largest=False)
-    w = 1.0 / d.clamp_min(d_min) ** power
+    """Σ w R / Σ w over the k nearest finite nodes, w = 1/max(D, d_min)^power.
+
+    The release clamps D to d_min *before* its top-k, so when more than k nodes lie under d_min (equal weight) its
+    pick among them is arbitrary (``torch.topk`` on ties). Ours is one of its possible picks, made deterministic: the
+    nodes nearest by raw distance, equal distances in node order (rollout, then state; a stable sort)."""
+    n = min(k, int(torch.isfinite(D).sum()))
+    idx = torch.argsort(D, stable=True)[:n]
+    w = 1.0 / D[idx].clamp_min(d_min) ** power
     return float((w * returns[idx]).sum() / w.sum())
 
 
@@ -147,6 +171,32 @@ def hista_token_advantages(reps, positions, prompt_lens, lengths, rewards, T: in
     chains = hista_values(reps, positions, rewards, cfg)
     rows = []
     for j, v in enumerate(chains):
-        bounds = [p - prompt_lens[j] for p in positions[j][:-1]] + [int(lengths[j])]
+        end = int(lengths[j]) - 1 if cfg.zero_last_token else int(lengths[j])  # the release: the last token is in none
+        bounds = [min(p - prompt_lens[j], end) for p in positions[j][:-1]] + [end]
         rows.append(segment_gae(v, bounds, T, cfg.lam))
     return torch.stack(rows)
+
+
+def cut_value(reps: list[torch.Tensor], positions: list[list[int]], rewards: torch.Tensor, cut_token: int,
+              cfg: HistaConfig, protocol: str = "release") -> float:
+    """Hista's SVEB estimate for rollout 0 cut after token index ``cut_token`` (its prefix's last token, in the
+    unpadded prompt + response), against every (rollout, state) node of the group.
+
+    ``release`` (the Hista release's ``sveb/hista``): the online nodes are all m + 1 states of rollout 0, k follows the
+    schedule over those m + 1, and the estimate is the node just before the cut (the last state index < ``cut_token``;
+    a cut on the response's first token wraps to the last node, as the release's index -1 does). ``exact``: the cut
+    prefix itself is the online prefix, k the schedule's at its intermediate-state index."""
+    if protocol not in ("release", "exact"):
+        raise ValueError(f"model.sveb_protocol={protocol!r}: choose release or exact")
+    plen, owner, node_len, returns = library(reps, positions, rewards, cfg.mean_window)
+    if protocol == "release":
+        i = next(j for j, p in enumerate(positions[0]) if p >= cut_token) - 1  # -1: the release's wrap-around
+        a, k = plen[0], k_schedule(len(plen[0]), cfg.max_k, cfg.min_k)[i]
+        D = node_distances(reps[0], a, 0, reps, plen, owner, node_len)[i]
+    else:
+        M = max(1, len(positions[0]) - 2)
+        k = k_schedule(M, cfg.max_k, cfg.min_k)[min((cut_token - positions[0][0]) // cfg.min_interval, M - 1)]
+        D = node_distances(reps[0], torch.tensor([cut_token // cfg.mean_window + 1]), 0, reps, plen, owner,
+                           node_len)[0]
+    d_min = float(D[torch.isfinite(D)].median()) if cfg.d_min == "median" else float(cfg.d_min)
+    return knn_value(D, returns, k, d_min, cfg.power)

@@ -6,13 +6,15 @@ calls :meth:`HistaModule.token_advantages`; this class fills it in. ``estimator`
 - ``grpo``: R − group mean on every token (the baseline; GRPO's advantage once scaled).
 - ``numca``: values of the set of numbers written so far, from a per-problem table kept across steps
   (``numca.py``); positions are tokens (a number's first character → the token holding it, +1), ``merge_gap``.
-- ``hista``: values by k nearest prefixes of the group's own last-layer states (``hista.py``).
+- ``hista``: values by k nearest prefixes of the group's own last-layer states (``hista.py``; ``state_grid`` and
+  ``zero_last_token`` follow the release by default, see there).
 
 Both then take GAE over segments (λ = ``lam``, γ = 1) and divide by the group reward std + 1e-4
-(``scale_rewards: group|none``). Every rank generates all G rollouts of its prompts, so the group — Hista's
+(``scale_rewards: group|none``). Every rank holds all G rollouts of each of its groups, so the group — Hista's
 library — is local; Numca's table is updated with every rank's rollouts (all-gathered) before any advantage.
 Dynamic sampling: ``data.dynamic_sampling_scale`` = k serves k × the prompts; the k-th part whose group accuracy
-is nearest 0.5 is kept. Loss: the core's ``loss_type`` (``ppo`` with ``token_mean`` and eps_high 0.28 = TRL's
+is nearest 0.5 is kept, ranked over the groups of every rank and dealt back out (:func:`dynamic_sample_ranks`, the
+release's selection; one process: its own groups). Loss: the core's ``loss_type`` (``ppo`` with ``token_mean`` and eps_high 0.28 = TRL's
 dapo, or ``cispo`` with eps_high 5.0).
 """
 from __future__ import annotations
@@ -21,7 +23,9 @@ import torch
 
 from lightning_modules.common.rl.advantages import scale_rewards
 from lightning_modules.common.rl.module import RLModule
+from lightning_modules.common.rl.ranks import gather_objects
 from lightning_modules.common.rl.rollouts import Rollouts
+from lightning_modules.hista.sampling import dynamic_sample_ranks
 from lightning_modules.hista.hista import (HistaConfig, hista_token_advantages, representations,
                                            state_positions)
 from lightning_modules.hista.numca import NumcaTable, chars_to_tokens, numca_token_advantages, parse_numbers
@@ -33,7 +37,7 @@ class HistaModule(RLModule):
     def __init__(self, *args, estimator: str = "hista", scale_rewards: str = "group", lam: float = 1.0,
                  alpha: float = 0.7, mean_window: int = 5, min_interval: int = 50, d_min: float | str | None = None,
                  power: float = 1.0, max_k: int = 66, min_k: int = 6, ema_init: str = "h0", merge_gap: int = 50,
-                 **kwargs):
+                 state_grid: str = "prompt", zero_last_token: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
         if estimator not in ESTIMATORS:
             raise ValueError(f"model.estimator={estimator!r}: choose one of {', '.join(ESTIMATORS)}")
@@ -47,7 +51,7 @@ class HistaModule(RLModule):
         self.estimator, self.scale, self.lam, self.merge_gap = estimator, scale_rewards, lam, merge_gap
         # d_min: a number, or "median" (each rollout's median prefix distance; tiny scale); None: the recipe's 5
         self.hista = HistaConfig(alpha, mean_window, min_interval, 5.0 if d_min is None else d_min, power, max_k,
-                                 min_k, lam, ema_init)
+                                 min_k, lam, ema_init, state_grid, zero_last_token)
         self.numca = NumcaTable()
 
     @property
@@ -61,7 +65,7 @@ class HistaModule(RLModule):
         dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         k = int(getattr(dm, "dynamic_sampling_scale", 1) or 1)
         if k > 1:
-            ro = ro.select_groups(dynamic_sample(ro.rewards, self.group_size, len(batch["id"]) // k))
+            ro = dynamic_sample_ranks(ro, self.group_size, len(batch["id"]) // k, self.get_tokenizer().pad_token_id)
         return ro
 
     # --- the hook -------------------------------------------------------------------------------------
@@ -98,24 +102,6 @@ class HistaModule(RLModule):
         out = []
         for g in range(0, len(ro), G):
             reps = representations(states[g:g + G], cfg)
-            pos = [state_positions(plens[i], lengths[i], cfg.min_interval) for i in range(g, g + G)]
+            pos = [state_positions(plens[i], lengths[i], cfg.min_interval, cfg.state_grid) for i in range(g, g + G)]
             out.append(hista_token_advantages(reps, pos, plens[g:g + G], lengths[g:g + G], ro.rewards[g:g + G], T, cfg))
         return torch.cat(out)
-
-
-def dynamic_sample(rewards: torch.Tensor, group_size: int, keep: int) -> torch.Tensor:
-    """Indices (ascending) of the ``keep`` groups whose accuracy (reward > 0.5) is nearest 0.5."""
-    acc = (rewards.float().view(-1, group_size) > 0.5).float().mean(1)
-    order = torch.argsort((acc - 0.5).abs().cpu(), stable=True)
-    return order[:max(1, keep)].sort().values
-
-
-def gather_objects(items: list) -> list:
-    """``items`` of every rank, concatenated (this rank's alone when not distributed)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return items
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, items)
-    return [x for part in out for x in part]

@@ -103,3 +103,30 @@ def numca_token_advantages(table: NumcaTable, problem_id: str, numbers, reward: 
 def state_at(numbers: list[tuple[str, int]], char: int) -> frozenset:
     """The state a cut at character ``char`` has reached: the numbers that end before it (SVEB)."""
     return frozenset(states([n for n, c in numbers if c + len(n) <= char])[-1])
+
+
+SVEB_PROTOCOLS = ("release", "exact")
+
+
+def cut_value(table: NumcaTable, problem_id: str, numbers: list[tuple[str, int]], reward: float, length: int,
+              cut: int, gap: int = 50, protocol: str = "release") -> float:
+    """Numca's SVEB estimate at character ``cut`` of a response of ``length`` characters (its ``numbers`` without the
+    answer, ``reward`` binarised).
+
+    ``release`` (the Hista release's ``sveb/numca``): per-character λ = 0 advantages with positions merged within
+    ``gap`` characters, then V(∅) plus each segment's δ at the character before which the advantage changes, for
+    characters before the cut. So a number merged onto a later position past the cut is not counted, and a δ equal to
+    the next segment's is added once only. ``exact``: V of the state the cut has reached (the numbers that end
+    before it), what the λ = 0 sum is meant to be."""
+    if protocol not in SVEB_PROTOCOLS:
+        raise ValueError(f"model.sveb_protocol={protocol!r}: choose release or exact")
+    if protocol == "exact":
+        return table.value(problem_id, state_at(numbers, cut))
+    adv = numca_token_advantages(table, problem_id, numbers, reward, length, length, gap, 0.0).tolist()
+    value = table.value(problem_id, frozenset())
+    for i in range(min(cut, len(adv))):
+        if i + 1 >= len(adv):
+            return value + adv[-1]
+        if abs(adv[i] - adv[i + 1]) > 1e-6:
+            value += adv[i]
+    return value

@@ -4,9 +4,15 @@ Per test problem: ``group_size`` (32) samples → their mean binarised reward is
 random space (a token boundary where the next token starts with a space); ``mcs_num`` (20) continuations of that
 prefix → V_mc, the unbiased target. Estimators of V at the cut:
 
-- ``hista``: the 32 samples' last-layer states as the library (the cut prefix is the online rollout; its own
-  longer nodes are masked), k from the schedule at the cut's intermediate-state index ([INF]: the spec leaves it);
-- ``numca``: the 32 samples' table, V(state reached by the cut) — the numbers that end before it (characters);
+- ``hista``: the 32 samples' last-layer states as the library (sample 0 is the online rollout; its own longer nodes
+  are masked), ``hista.cut_value``;
+- ``numca``: the 32 samples' table, ``numca.cut_value`` (characters, merge gap 50, λ = 0);
+
+``sveb_protocol`` (both estimators): ``release`` (default: the release's ``sveb/{hista,numca}`` scripts, so the MAEs
+compare with the paper's) — Hista takes the state node just before the cut with k scheduled over all of the
+response's nodes; Numca sums the λ = 0 advantages where they change, so numbers merged past the cut and a δ equal to
+the next one are skipped — or ``exact`` (ours before: Hista on the exact cut prefix, Numca V of the state the cut
+reached). On synthetic cases 98% (Hista) and 26% (Numca) of the estimates differ between the two.
 - ``ppo-1`` / ``ppo-n``: a value head on the frozen policy's states fitted by regression to each response's
   reward on ``critic_tokens`` random tokens per response (``rl/critic.py``; ridge chosen on held-out problems,
   clamped to [0, 1]), on ``critic_problems`` training
@@ -26,10 +32,10 @@ import torch
 from datamodules.common.cache import stable_hash
 from lightning_modules.hista.critic import ValueHead
 from lightning_modules.common.rl.rollouts import batched_logprobs, generate_rollouts
-from lightning_modules.hista.hista import (k_schedule, knn_value, library, node_distances, representations,
-                                           state_positions)
+from lightning_modules.hista import hista as hista_values, numca as numca_values
+from lightning_modules.hista.hista import representations, state_positions
 from lightning_modules.hista.module import HistaModule
-from lightning_modules.hista.numca import NumcaTable, parse_numbers, state_at
+from lightning_modules.hista.numca import SVEB_PROTOCOLS, NumcaTable, parse_numbers
 
 FIELDS = ("number", "math")
 JUDGED = ("science", "general", "program")
@@ -70,9 +76,13 @@ def cut_points(pieces: list[str]) -> list[int]:
 
 class SVEBModule(HistaModule):
     def __init__(self, *args, mcs_num: int = 20, sveb_field: str = "number", critic_problems: int = 64,
-                 critic_tokens: int = 8, critic_split: float = 0.8, sveb_seed: int = 42, **kwargs):
+                 critic_tokens: int = 8, critic_split: float = 0.8, sveb_seed: int = 42, sveb_protocol: str = "release",
+                 **kwargs):
         super().__init__(*args, **kwargs)
         check_field(sveb_field)
+        if sveb_protocol not in SVEB_PROTOCOLS:
+            raise ValueError(f"model.sveb_protocol={sveb_protocol!r}: choose release or exact")
+        self.sveb_protocol = sveb_protocol
         if mcs_num < 1 or critic_tokens < 1 or not 0 < critic_split < 1:
             raise ValueError("model.mcs_num and model.critic_tokens must be >= 1, model.critic_split in (0, 1)")
         self.mcs_num, self.sveb_field, self.critic_problems = mcs_num, sveb_field, critic_problems
@@ -83,7 +93,7 @@ class SVEBModule(HistaModule):
     def sample(self, prompt_ids, prompt: str, answer: str, n: int, max_new: int, prefix_text: str = ""):
         tok = self.get_tokenizer()
         ro = generate_rollouts(self.model, [prompt_ids], n, max_new, tok.eos_token_id, tok.pad_token_id,
-                               self.temperature, self.top_p, tokenizer=tok)
+                               self.temperature, self.top_p, tokenizer=tok, top_k=self.top_k)
         r = self.reward([prompt] * n, [prefix_text + c for c in ro.completions], [answer] * n, device=self.device)
         ro.rewards = (r.float() > 0.5).float().to(ro.input_ids.device)  # binarised
         return ro
@@ -133,23 +143,20 @@ class SVEBModule(HistaModule):
         prefix = "".join(pieces[:t])
         cont = self.sample(list(prompt_ids) + ro.response_ids[0, :t].tolist(), prompt, answer, self.mcs_num,
                            self.max_new_tokens - t, prefix_text=prefix)
-        # Numca: the 32 samples' table, the state the cut has reached
+        # Numca: the 32 samples' table, the value at the cut (characters, merge gap 50, λ = 0)
         table = NumcaTable()
         for c, r in zip(ro.completions, ro.rewards.tolist()):
             table.update(pid, [x for x, _ in parse_numbers(c)], r)
-        numca = table.value(pid, state_at(parse_numbers("".join(pieces)), len(prefix)))
-        # Hista: the cut prefix of sample 0 against every (sample, state) node
+        text = "".join(pieces)
+        numca = numca_values.cut_value(table, pid, parse_numbers(text), float(ro.rewards[0]), len(text), len(prefix),
+                                       protocol=self.sveb_protocol)
+        # Hista: sample 0 at the cut against every (sample, state) node
         states = self.states(ro)
         plens, lengths = ro.prompt_lengths.tolist(), ro.lengths.tolist()
         reps = representations(states, cfg)
-        pos = [state_positions(plens[i], lengths[i], cfg.min_interval) for i in range(len(ro))]
-        plen, owner, node_len, returns = library(reps, pos, ro.rewards, cfg.mean_window)
+        pos = [state_positions(plens[i], lengths[i], cfg.min_interval, cfg.state_grid) for i in range(len(ro))]
         cut_at = plens[0] + t - 1  # the prefix's last token
-        D = node_distances(reps[0], torch.tensor([cut_at // cfg.mean_window + 1]), 0, reps, plen, owner, node_len)[0]
-        M = max(1, len(pos[0]) - 2)
-        k = k_schedule(M, cfg.max_k, cfg.min_k)[min((t - 1) // cfg.min_interval, M - 1)]
-        d_min = float(D[torch.isfinite(D)].median()) if cfg.d_min == "median" else float(cfg.d_min)
-        hista = knn_value(D, returns, k, d_min, cfg.power)
+        hista = hista_values.cut_value(reps, pos, ro.rewards, cut_at, cfg, self.sveb_protocol)
         self._cases.append({"id": pid, "field": self.sveb_field, "prompt": prompt, "answer": answer,
                             "responses": ro.completions, "grpo_rewards": ro.rewards.tolist(), "cut_tokens": t,
                             "prefix": prefix, "continuations": cont.completions, "mc_rewards": cont.rewards.tolist(),

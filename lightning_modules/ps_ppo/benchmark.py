@@ -1,6 +1,7 @@
 """PS-PPO vs full-trajectory GRPO, side by side in one invocation: compute, peak activation memory, reward.
 
-Arms (same warmed-up tiny policy, same seed -> same prompt stream, same number of updates):
+Arms (same warmed-up tiny policy, same seed -> same prompt stream, same number of updates; grpo_tiny packs like
+ps_ppo_tiny since issue 38, the padded arm overrides it):
   grpo padded          full trajectories, each micro-batch padded to its longest row (``model.packing=false``)
   grpo packed          full trajectories, a micro-batch's rows packed into one unpadded row (``model.packing=true``)
   ps_ppo packed p=0.1  mixture_full cutoffs, E[C]/T ~ (1 + 0.1)/2, packed
@@ -15,6 +16,7 @@ final greedy accuracy; then ratios against GRPO packed. Claims go to ``benchmark
 (target: PS-PPO packed peak ≤ 0.65× GRPO packed at matched reward within noise).
 
     python -m benchmarks ps_ppo                  # 30 updates, micro-batch 4 rows
+    python -m benchmarks ps_ppo --quick          # 4 updates, one PS-PPO arm: proves the pipeline
     python -m benchmarks ps_ppo --updates 40 --group-size 8 --experiment-args data.n_train=16 data.n_val=16 \
         model.optimizer.lr=1e-4                  # a fixed pool of 16 prompts
     python -m benchmarks ps_ppo --updates 200 --micro-batch 1 --experiment-args data.task=word_problems
@@ -98,7 +100,10 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--experiment-args", nargs="*", default=[], help="extra overrides for every arm")
+    p.add_argument("--quick", action="store_true", help="4 updates, one PS-PPO arm (p_full 0.2): a pipeline check")
     args = p.parse_args(argv)
+    if args.quick:
+        args.updates, args.p_full = 4, [0.2]
     arms = [("grpo padded", "grpo_tiny", ["model.packing=false"]), ("grpo packed", "grpo_tiny", ["model.packing=true"])]
     arms += [(f"ps_ppo packed p={q}", "ps_ppo_tiny", [f"model.p_full={q}", "model.packing=true"]) for q in args.p_full]
     rows = []

@@ -1,7 +1,15 @@
 """DuoAttention's gate probe (Xiao et al., 2024), the baseline RLKV extends: the same gates and mixed attention, trained
-to make the gated model's last-layer hidden states at the passkey-answer positions match the full model's (MSE,
-averaged per element) + ``reg_weight`` · mean|α|. The full model is the same frozen weights with the core switched
-off (``attention_enabled(model, False)``), so no second copy is held. Gates clamped to [0, 1] after each step.
+to make the gated model's last-layer hidden states at the supervised positions match the full model's (MSE, averaged
+per element) + ``reg_weight`` · mean|α|. The full model is the same frozen weights with the core switched off
+(``attention_enabled(model, False)``), so no second copy is held. Gates clamped to [0, 1] after each step
+(``clamp: after_step``; the release clamps before each training forward: ``before_forward``).
+
+As the release trains it (RLKV ``base/duo_attn/train.py``, ``scripts/train_duo.sh``), which ``conf/model/duoattn.yaml``
+follows by default: AdamW lr 0.02 with :func:`duo_schedule` (x0.1 rising linearly to x1 over the first fifth of the
+steps, x1, falling to x0.1 over the last fifth), the streaming part in 128-token blocks (``window: block``, sink 128
++ recent 256), the whole QA span supervised (``data.layout: qa_span``: question + pass key + separator for each of 10
+keys, ``lightning_modules/rlkv/data.py``), 2,000 steps of one sequence of 1K-32K tokens. ``scheduler: null``,
+``window: token`` and ``data.layout: recite`` are ours before (constant lr, a token window, the recited keys only).
 """
 from __future__ import annotations
 
@@ -13,15 +21,25 @@ import torch.nn.functional as F
 from lightning_modules.common.attention import attention_enabled
 from lightning_modules.common.lm import CausalLMModule
 from lightning_modules.rlkv.mixed_attention import check_backbone, check_window
-from lightning_modules.rlkv.module import GatedModelMixin
+from lightning_modules.rlkv.module import GatedModelMixin, check_clamp
+
+
+def duo_schedule(optimizer, num_steps: int):
+    """The release's LambdaLR: factor(step) = min(1, max((step + 1) / (N // 5), 0.1), max((N − step) / (N // 5), 0.1))
+    over N = ``num_steps`` optimizer steps (step counted from 0, as Lightning steps the scheduler)."""
+    fifth = max(1, num_steps // 5)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, max((step + 1) / fifth, 0.1), max((num_steps - step) / fifth, 0.1)))
 
 
 class DuoAttentionModule(GatedModelMixin, CausalLMModule):
     def __init__(self, backbone: Mapping[str, Any], optimizer=None, scheduler=None, sink: int = 128,
                  recent: int = 256, window: str = "token", block: int = 128, gate_init: float = 1.0,
-                 reg_weight: float = 0.05):
+                 reg_weight: float = 0.05, clamp: str = "after_step"):
         check_window(sink, recent, window, block)
+        check_clamp(clamp)
         super().__init__(backbone, optimizer, scheduler)
+        self.clamp = clamp
         self.window = {"sink": sink, "recent": recent, "window": window, "block": block, "init": gate_init}
         self.reg_weight = reg_weight
         self.mixed = None
@@ -49,7 +67,7 @@ class DuoAttentionModule(GatedModelMixin, CausalLMModule):
         return loss
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.mixed.clamp_()
+        self.clamp_after_step()
 
     def on_validation_epoch_start(self):
         self._val_sum = self._val_count = 0.0

@@ -1,8 +1,10 @@
 """The head-wise full / constant KV cache of RLKV and DuoAttention, on the shared press interface.
 
-``allocate(gates, sparsity)``: the round(s·L·H_kv) heads with the lowest gates over the whole model (global, not
-per layer; ties by position) become *streaming* heads, which keep ``sink`` + ``recent`` cache entries (inference:
-16 + 64), the rest keep the full cache. KV reduction ≈ s·(1 − (sink+recent)/L).
+``allocate(gates, sparsity)``: the heads with the lowest gates over the whole model (global, not per layer; ties by
+position) become *streaming* heads, which keep ``sink`` + ``recent`` cache entries (inference: 16 + 64), the rest keep
+the full cache; how many is ``head_count``: ``quantile`` (default, the release's s-quantile threshold, ceil(s·(n−1))
+heads of n) or ``round`` (round(s·n), ours before; one head more at e.g. s = 0.6 of 256). Gates are clipped to [0, 1]
+on loading, released ``adapter_weights.tsv`` files included. KV reduction ≈ s·(1 − (sink+recent)/L).
 
 ``HeadMixedPress(gates, sparsity, sink, recent, storage, source)``: prefill attends over the whole context (the
 press contract, as for every token-dropping baseline); from then on a streaming head sees its first ``sink`` and
@@ -22,6 +24,7 @@ head streams, whatever ``sparsity``).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,10 +38,26 @@ SOURCES = ("rlkv", "duo", "random", "all_streaming")
 STORAGES = ("masked", "split")
 
 
-def allocate(gates: torch.Tensor, sparsity: float) -> torch.Tensor:
-    """Bool (L, H): True = streaming head; exactly round(s·L·H) heads, the lowest gates over the whole model."""
+HEAD_COUNTS = ("quantile", "round")
+
+
+def compressed_heads(n: int, sparsity: float, rule: str = "quantile") -> int:
+    """How many of ``n`` heads stream at sparsity s. ``quantile`` (the release: heads strictly below numpy's linear
+    s-quantile of the gates, ``sparsify_attention_heads``) = ceil(s·(n−1)) for distinct gates (s(n−1) itself when it
+    is an integer, up to float noise), n at s >= 1, 0 at s <= 0; ``round``: round(s·n) (the spec's CPU test)."""
+    if rule not in HEAD_COUNTS:
+        raise ValueError(f"model.press.head_count={rule!r}: choose quantile (the release) or round")
+    if sparsity >= 1 or sparsity <= 0:
+        return n if sparsity >= 1 else 0
+    return math.ceil(sparsity * (n - 1) - 1e-9) if rule == "quantile" else round(sparsity * n)
+
+
+def allocate(gates: torch.Tensor, sparsity: float, rule: str = "quantile") -> torch.Tensor:
+    """Bool (L, H): True = streaming head; the :func:`compressed_heads` lowest gates over the whole model. Ties are
+    broken by (layer, head) order, the earlier head streaming first (the release breaks them with U(0, 1e-6) noise,
+    so its pick among equal gates is random; ours is deterministic)."""
     g = torch.as_tensor(gates, dtype=torch.float64)
-    k = round(sparsity * g.numel())
+    k = compressed_heads(g.numel(), sparsity, rule)
     order = torch.argsort(g.flatten(), stable=True)
     stream = torch.zeros(g.numel(), dtype=torch.bool)
     stream[order[:k]] = True
@@ -60,14 +79,20 @@ def visible_keys(attention_mask: torch.Tensor | None, batch: int, k_len: int, de
 
 
 def load_gates(gates: Any) -> torch.Tensor:
+    """Gates (L, H_kv) from a list, a run's metrics.json (``results.gates``) or a released pattern file
+    (``adapter_weights.tsv``: L rows of H_kv tab-separated values), clipped to [0, 1] as the release's evaluation
+    does: its training clamps before each forward, so saved gates may lie outside."""
     if isinstance(gates, (str, Path)):
         path = Path(gates)
         if not path.is_file():
-            raise ValueError(f"model.press.gates={gates}: no such file; give a run's metrics.json (results.gates) "
-                             "or an L x H_kv list")
-        data = json.loads(path.read_text())
-        gates = data.get("results", data).get("gates")
-    return torch.as_tensor(gates, dtype=torch.float64)
+            raise ValueError(f"model.press.gates={gates}: no such file; give a run's metrics.json (results.gates), a "
+                             "released adapter_weights.tsv or an L x H_kv list")
+        if path.suffix in (".tsv", ".txt"):
+            gates = [[float(x) for x in line.split()] for line in path.read_text().splitlines() if line.strip()]
+        else:
+            data = json.loads(path.read_text())
+            gates = data.get("results", data).get("gates")
+    return torch.as_tensor(gates, dtype=torch.float64).clamp(0.0, 1.0)
 
 
 class HeadSplitLayer(DynamicLayer):
@@ -134,6 +159,7 @@ class HeadMixedPress(Press):
     storage: str = "masked"
     source: str = "rlkv"
     seed: int = 0
+    head_count: str = "quantile"
 
     def __post_init__(self):
         super().__post_init__()
@@ -145,6 +171,8 @@ class HeadMixedPress(Press):
             raise ValueError(f"storage={self.storage!r}: choose masked or split")
         if self.source not in SOURCES:
             raise ValueError(f"source={self.source!r}: choose one of {', '.join(SOURCES)}")
+        if self.head_count not in HEAD_COUNTS:
+            raise ValueError(f"head_count={self.head_count!r}: choose quantile (the release) or round")
         if self.source in ("rlkv", "duo") and self.gates is None:
             raise ValueError(f"head_mixed with source={self.source} needs gates: set model.press.gates to a trained "
                              "run's metrics.json (results.gates) or an L x H_kv list")
@@ -162,7 +190,7 @@ class HeadMixedPress(Press):
             if tuple(g.shape) != (n_layers, n_heads):
                 raise ValueError(f"gates of shape {tuple(g.shape)} for a model with {n_layers} layers x {n_heads} KV "
                                  "heads: use gates trained on this backbone")
-        return allocate(g, self.sparsity)
+        return allocate(g, self.sparsity, self.head_count)
 
     def check(self) -> None:
         """Fail on a missing gates file before the model loads (called by the evaluation module's setup)."""

@@ -5,6 +5,8 @@ Rewards are laid out group-major: rows ``g*G .. g*G+G-1`` are the G samples of p
 - ``grpo``: (R - mean_G R) / (std_G R + eps) (DeepSeekMath's GRPO; std is the unbiased sample std as in TRL).
 - ``dr_grpo``: R - mean_G R (Dr. GRPO drops the std scaling; verl's ``norm_adv_by_std_in_grpo=False``).
 - ``rloo``: R - mean of the other G-1 samples (REINFORCE leave-one-out; equals G/(G-1) (R - mean_G R)).
+- ``reward``: the reward itself, no group baseline (AReaL with ``reward_norm: null``, RLKV's recipe); with the core's
+  ``advantage_batch_norm`` it is normalised over the whole batch only (:func:`batch_normalize`).
 """
 from __future__ import annotations
 
@@ -38,17 +40,28 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return (r - others).reshape(-1)
 
 
-ADVANTAGES = {"grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages, "rloo": rloo_advantages}
+def reward_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    return _groups(rewards, group_size).reshape(-1)
 
 
-def batch_normalize(adv: torch.Tensor, weights: torch.Tensor | None = None, eps: float = 1e-5) -> torch.Tensor:
-    """(A - mean) / (std + eps) over the whole batch, each row weighted by ``weights`` (its response tokens: the
-    token-level normalisation AReaL applies after the group one; population std)."""
-    w = torch.ones_like(adv, dtype=torch.float32) if weights is None else weights.float()
-    w = w / w.sum().clamp_min(1e-12)
-    mean = (w * adv).sum()
-    std = (w * (adv - mean) ** 2).sum().sqrt()
-    return (adv - mean) / (std + eps)
+ADVANTAGES = {"grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages, "rloo": rloo_advantages,
+              "reward": reward_advantages}
+
+
+def batch_normalize(adv: torch.Tensor, weights: torch.Tensor | None = None, eps: float = 1e-5,
+                    unbiased: bool = True) -> torch.Tensor:
+    """(A - mean) / (std + eps) over the whole batch of every rank (AReaL's ``adv_norm`` at batch level, whose
+    moments are all-reduced), each row counted ``weights`` times (its response tokens: AReaL normalises per token).
+    ``unbiased``: the variance divides by the token count - 1 (AReaL's ``std_unbiased``, its default since v0.3.4)."""
+    from lightning_modules.common.rl.ranks import all_sum
+
+    w = torch.ones_like(adv, dtype=torch.float64) if weights is None else weights.double()
+    a = adv.double()
+    n, total = all_sum(torch.stack([w.sum(), (w * a).sum()]))
+    mean = total / n.clamp_min(1e-12)
+    sq = all_sum((w * (a - mean) ** 2).sum())
+    std = (sq / (n - 1 if unbiased else n).clamp_min(1e-12)).sqrt()
+    return ((a - mean) / (std + eps)).to(adv.dtype)
 
 
 def compute_advantages(name: str, rewards: torch.Tensor, group_size: int) -> torch.Tensor:

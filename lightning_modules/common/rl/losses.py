@@ -6,7 +6,10 @@ cutoff). The aggregation divides by a per-sequence divisor that counts *full, un
 truncated estimator is unbiased for the full objective (PS-PPO spec 1.4):
 
 - ``seq_mean``  : (1/N) Σ_i (1/T_i) Σ_t w ℓ   (TRL ``grpo`` / verl ``seq-mean-token-mean``; T_i = full length)
-- ``token_mean``: Σ_i Σ_t w ℓ / Σ_i T_i        (TRL ``dapo``/``bnpo`` / verl ``token-mean``, full token count)
+- ``token_mean``: Σ_i Σ_t w ℓ / Σ_i T_i        (TRL ``dapo``/``bnpo`` / verl ``token-mean``, full token count);
+  with ``scope="global"`` (the core's default ``token_mean_scope``) Σ_i T_i runs over every rank's minibatch and is
+  divided by the world size, as TRL's ``dapo`` / ``cispo`` do (``num_items_in_batch / num_processes``): after DDP
+  averages the gradients the loss is one mean over all tokens of the step, not the mean of per-rank means
 - ``dr_grpo``   : Σ_i Σ_t w ℓ / (N · L_max)    (Dr. GRPO: constant max-completion-length divisor)
 
 Per-token terms (``policy_loss(loss_type=...)``): ``ppo`` (PPO-clip; TRL's ``dapo`` is this with ``token_mean``
@@ -19,13 +22,23 @@ import torch
 AGGREGATIONS = ("seq_mean", "token_mean", "dr_grpo")
 
 
-def divisors(mode: str, full_lengths: torch.Tensor, max_len: int) -> torch.Tensor:
-    """Per-sequence divisor d_i so that the loss is Σ_i Σ_t w ℓ_it / d_i (fixed for a whole minibatch)."""
+SCOPES = ("global", "local")
+
+
+def divisors(mode: str, full_lengths: torch.Tensor, max_len: int, scope: str = "local") -> torch.Tensor:
+    """Per-sequence divisor d_i so that the loss is Σ_i Σ_t w ℓ_it / d_i (fixed for a whole minibatch). ``scope``
+    (``token_mean`` only): ``local`` counts this rank's tokens, ``global`` every rank's / the world size."""
     n = full_lengths.numel()
     t = full_lengths.float()
     if mode == "seq_mean":
         return n * t.clamp_min(1)
     if mode == "token_mean":
+        if scope not in SCOPES:
+            raise ValueError(f"model.token_mean_scope={scope!r}: choose global (TRL, AReaL) or local")
+        if scope == "global":
+            from lightning_modules.common.rl.ranks import all_sum, world_size
+
+            return (all_sum(t.sum()) / world_size()).clamp_min(1).expand(n).clone()
         return t.sum().clamp_min(1).expand(n).clone()
     if mode == "dr_grpo":
         return torch.full_like(t, float(n * max_len))

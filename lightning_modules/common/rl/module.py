@@ -3,7 +3,8 @@
 One ``training_step`` = one batch of prompts:
 
 1. **rollout**: G samples per prompt from the current weights, which are the frozen old policy π_old of this
-   step (``generate_rollouts``; no gradient); rewards from ``reward`` (``scorers.py``, config group
+   step (``generate_rollouts``; no gradient; ``rollout_chunk`` > 0 generates that many sequences at a time, which
+   bounds the KV cache); rewards from ``reward`` (``scorers.py``, config group
    ``model/reward``: exact match by default, a reward model for RLHF); group advantages (``advantages.py``:
    ``grpo``, ``dr_grpo``, ``rloo``).
 2. **plan**: per PPO epoch, per trajectory, how many response tokens to backpropagate and the per-token weights
@@ -16,7 +17,9 @@ One ``training_step`` = one batch of prompts:
    are balanced over the micro-batches by tokens, so activation memory follows the sum of kept tokens instead of
    rows · the longest one (:meth:`micro_batches`).
    Loss: PPO-clip with ``eps_low``/``eps_high`` (+ ``beta`` · k3 KL to π_ref), aggregated as ``aggregation``
-   (``seq_mean`` | ``token_mean`` | ``dr_grpo``, divisors counting full untruncated tokens; ``losses.py``).
+   (``seq_mean`` | ``token_mean`` | ``dr_grpo``, divisors counting full untruncated tokens; ``losses.py``);
+   ``token_mean_scope``: ``global`` (default, TRL's dapo / cispo and AReaL: the token count of every rank) or
+   ``local`` (this rank's).
 
 ``trainer.max_steps`` counts optimizer steps (ppo_epochs · minibatches per batch of prompts). Validation and
 test: greedy decoding on held-out prompts, the mean reward as ``val/<reward.metric>`` (``val/accuracy`` for exact
@@ -43,7 +46,7 @@ from lightning_modules.common.block_attention import check_impl, use_block_atten
 from lightning_modules.common.eval_hooks import TestIsValidation
 from lightning_modules.common.lm import CausalLMModule, _plain
 from lightning_modules.common.rl.advantages import batch_normalize, compute_advantages
-from lightning_modules.common.rl.losses import AGGREGATIONS, LOSS_TYPES, divisors, k3_kl, policy_loss
+from lightning_modules.common.rl.losses import AGGREGATIONS, LOSS_TYPES, SCOPES, divisors, k3_kl, policy_loss
 from lightning_modules.common.rl.scorers import ExactMatch
 from lightning_modules.common.rl.rollouts import (Rollouts, batched_logprobs, generate_rollouts, packed_logprobs,
                                                   response_logprobs)
@@ -89,7 +92,8 @@ class RLModule(TestIsValidation, CausalLMModule):
                  beta: float = 0.0, max_grad_norm: float | None = 1.0, warmup: Mapping[str, Any] | None = None,
                  val_max_new_tokens: int | None = None, measure_activations: bool = False, packing: bool = False,
                  reward: Callable | None = None,
-                 advantage_batch_norm: bool = False, loss_type: str = "ppo", attention_impl: str = "auto"):
+                 advantage_batch_norm: bool = False, loss_type: str = "ppo", top_k: int = 0,
+                 token_mean_scope: str = "global", rollout_chunk: int = 0, attention_impl: str = "auto"):
         super().__init__(backbone, optimizer, scheduler, weight_decay)
         self.attention_impl = check_impl(attention_impl)
         if loss_type not in LOSS_TYPES:
@@ -105,13 +109,19 @@ class RLModule(TestIsValidation, CausalLMModule):
             raise ValueError("model.advantage=rloo needs model.group_size >= 2")
         self.automatic_optimization = False
         self.advantage, self.aggregation, self.group_size = advantage, aggregation, group_size
-        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.max_new_tokens, self.temperature, self.top_p, self.top_k = max_new_tokens, temperature, top_p, top_k
         self.ppo_epochs, self.minibatches, self.micro_batch_size = ppo_epochs, minibatches, micro_batch_size
         self.eps_low, self.eps_high, self.beta, self.max_grad_norm = eps_low, eps_high, beta, max_grad_norm
         self.warmup = _plain(warmup) if warmup else None
         self.val_max_new_tokens = val_max_new_tokens or max_new_tokens
         self.measure_activations, self.packing = measure_activations, packing
         self.advantage_batch_norm = advantage_batch_norm
+        if token_mean_scope not in SCOPES:
+            raise ValueError(f"model.token_mean_scope={token_mean_scope!r}: choose global (TRL, AReaL) or local")
+        self.token_mean_scope = token_mean_scope
+        if rollout_chunk < 0:
+            raise ValueError(f"model.rollout_chunk={rollout_chunk}: sequences per generate call, >= 0 (0 = all at once)")
+        self.rollout_chunk = rollout_chunk
         self.hparams["warmup"] = self.warmup
         self.tokenizer = None
         self._ref = None  # π_ref, kept out of the module tree: not trained, not checkpointed
@@ -182,9 +192,9 @@ class RLModule(TestIsValidation, CausalLMModule):
         """Kept response tokens per trajectory (N,) and per-token weights (N, T); full trajectories here."""
         return ro.lengths, ro.response_mask.clone()
 
-    def regularizer(self, ro: Rollouts) -> torch.Tensor | None:
-        """An extra loss term backpropagated once per minibatch, before its optimizer step (None: none; RLKV's
-        reward-gated L1 on its gates)."""
+    def regularizer(self, ro: Rollouts, rows: torch.Tensor) -> torch.Tensor | None:
+        """An extra loss term backpropagated once per minibatch (``rows`` of ``ro``), before its optimizer step
+        (None: none; RLKV's reward-gated L1 on its gates)."""
         return None
 
     needs_hidden = False  # True: the π_old pass also keeps the last layer's states for token_advantages
@@ -196,14 +206,17 @@ class RLModule(TestIsValidation, CausalLMModule):
 
     # --- one RL step -----------------------------------------------------------------------------
     def score(self, ro: Rollouts, batch) -> torch.Tensor:
-        prompts, golds = ([x for x in batch[k] for _ in range(ro.group_size)] for k in ("prompt", "answer"))
+        # the bare question (a reward model applies its own chat template), the prompt for data without one
+        key = "question" if "question" in batch else "prompt"
+        prompts, golds = ([x for x in batch[k] for _ in range(ro.group_size)] for k in (key, "answer"))
         r = self.reward(prompts, ro.completions, golds, device=ro.input_ids.device)
         return r.to(ro.input_ids.device, torch.float32)
 
     def rollout(self, batch) -> Rollouts:
         tok = self.get_tokenizer()
         ro = generate_rollouts(self.model, batch["prompt_ids"], self.group_size, self.max_new_tokens, tok.eos_token_id,
-                               tok.pad_token_id, self.temperature, self.top_p, tokenizer=tok)
+                               tok.pad_token_id, self.temperature, self.top_p, tokenizer=tok, top_k=self.top_k,
+                               chunk=self.rollout_chunk)
         ro.rewards = self.score(ro, batch)
         ro.advantages = compute_advantages(self.advantage, ro.rewards, self.group_size)
         if self.advantage_batch_norm:  # then over the whole batch, token-weighted (AReaL's adv_norm)
@@ -229,7 +242,7 @@ class RLModule(TestIsValidation, CausalLMModule):
         for epoch in range(self.ppo_epochs):
             kept, weights = plans[epoch]
             for mb in torch.randperm(N, generator=gen).to(ro.input_ids.device).chunk(self.minibatches):
-                div = divisors(self.aggregation, lengths[mb], self.max_new_tokens)
+                div = divisors(self.aggregation, lengths[mb], self.max_new_tokens, self.token_mean_scope)
                 total = 0.0
                 for part in self.micro_batches(kept[mb], ro.prompt_lengths[mb]):
                     rows, d = mb[part], div[part]
@@ -258,7 +271,7 @@ class RLModule(TestIsValidation, CausalLMModule):
                     with torch.no_grad():
                         stats["kl_old"] += float((k3_kl(logp, logp_old[rows, :n]) * (w > 0)).sum())
                 stats["loss"] += total
-                reg = self.regularizer(ro)
+                reg = self.regularizer(ro, mb)
                 if reg is not None:
                     self.manual_backward(reg)
                     stats["reg"] = stats.get("reg", 0.0) + float(reg.detach())

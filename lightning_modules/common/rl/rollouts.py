@@ -86,8 +86,12 @@ def response_mask_from(responses: torch.Tensor, eos_id: int | None) -> torch.Ten
 
 @torch.no_grad()
 def generate_rollouts(model, prompts: list[list[int]], group_size: int, max_new_tokens: int, eos_id: int | None,
-                      pad_id: int, temperature: float = 1.0, top_p: float = 1.0, tokenizer=None) -> Rollouts:
-    """G samples per prompt from ``model`` (the frozen old policy: no gradient, eval mode), padding handled."""
+                      pad_id: int, temperature: float = 1.0, top_p: float = 1.0, tokenizer=None,
+                      top_k: int = 0, chunk: int = 0) -> Rollouts:
+    """G samples per prompt from ``model`` (the frozen old policy: no gradient, eval mode), padding handled.
+    ``top_k`` 0: no top-k cut (transformers' own default would be 50). ``chunk`` > 0: ``generate`` is called on
+    max(1, chunk // G) prompts at a time (the KV cache holds about ``chunk`` sequences, not prompts · G); 0: all at
+    once."""
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_id, device)
     was_training = model.training
@@ -96,10 +100,14 @@ def generate_rollouts(model, prompts: list[list[int]], group_size: int, max_new_
 
     synced = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     greedy = temperature == 0
-    kwargs = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                         num_return_sequences=1 if greedy else group_size, pad_token_id=pad_id, eos_token_id=eos_id,
-                         synced_gpus=synced, **kwargs)
+    kwargs = (dict(do_sample=False) if greedy
+              else dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=int(top_k)))
+    step = max(1, chunk // group_size) if chunk else len(prompts)
+    parts = [model.generate(input_ids=ids[i:i + step], attention_mask=mask[i:i + step], max_new_tokens=max_new_tokens,
+                            num_return_sequences=1 if greedy else group_size, pad_token_id=pad_id,
+                            eos_token_id=eos_id, synced_gpus=synced, **kwargs) for i in range(0, len(prompts), step)]
+    width = max(o.shape[1] for o in parts)  # chunks may stop at different lengths: right-pad to the longest
+    out = torch.cat([torch.nn.functional.pad(o, (0, width - o.shape[1]), value=pad_id) for o in parts])
     if greedy and group_size > 1:
         out = out.repeat_interleave(group_size, dim=0)
     model.train(was_training)

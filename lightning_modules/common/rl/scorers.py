@@ -6,9 +6,10 @@ names the evaluation metric its mean reward is logged as (``val/<metric>``):
 
 - :class:`ExactMatch` (``model/reward=exact_match``, default): the verifiable reward, 1 when the completion's
   final answer equals the gold one; metric ``accuracy``. ``compare``: ``exact`` (default; normalised strings,
-  ``rewards.exact_match_reward``: GSM8K and the generated tiny tasks, whose answers are integers) or ``math``
+  ``rewards.exact_match_reward``: GSM8K and the generated tiny tasks, whose answers are integers), ``math``
   (symbolic equivalence by math-verify, ``rewards.math_equivalence_reward``: what experiments with LaTeX answers,
-  MATH / MATH-500 / DeepScaleR, set as ``model.reward.compare: math``).
+  MATH / MATH-500 / DeepScaleR, set as ``model.reward.compare: math``) or ``math_boxed`` (``model/reward=math_verify``:
+  the Hista release's accuracy reward, ``rewards.boxed_math_reward``: the answer must be boxed or announced).
 - :class:`RewardModel` (``model/reward=reward_model``): RLHF, a sequence-classification reward model (one logit)
   from a local directory scores prompt + completion; gold answers are ignored; metric ``reward``. It is loaded on
   first use, per rank, frozen and outside the policy's module tree (not trained, not checkpointed).
@@ -20,9 +21,9 @@ from typing import Any
 
 import torch
 
-from lightning_modules.common.rl.rewards import exact_match_reward, math_equivalence_reward
+from lightning_modules.common.rl.rewards import boxed_math_reward, exact_match_reward, math_equivalence_reward
 
-COMPARE = {"exact": exact_match_reward, "math": math_equivalence_reward}
+COMPARE = {"exact": exact_match_reward, "math": math_equivalence_reward, "math_boxed": boxed_math_reward}
 
 
 @dataclass
@@ -32,13 +33,13 @@ class ExactMatch:
 
     def __post_init__(self):
         if self.compare not in COMPARE:
-            raise ValueError(f"model.reward.compare={self.compare!r}: choose exact (integer answers) or math "
-                             "(LaTeX answers, symbolic equivalence)")
-        if self.compare == "math":
+            raise ValueError(f"model.reward.compare={self.compare!r}: choose exact (integer answers), math "
+                             "(LaTeX answers, symbolic equivalence) or math_boxed (the same, boxed answers only)")
+        if self.compare != "exact":
             import importlib.util
 
             if importlib.util.find_spec("math_verify") is None:
-                raise ModuleNotFoundError("model.reward.compare=math needs math-verify: pip install math-verify")
+                raise ModuleNotFoundError(f"model.reward.compare={self.compare} needs math-verify: pip install math-verify")
 
     def __call__(self, prompts: list[str], completions: list[str], answers: list[str], device=None) -> torch.Tensor:
         score = COMPARE[self.compare]
@@ -47,9 +48,10 @@ class ExactMatch:
 
 @dataclass
 class RewardModel:
-    """``path``: a transformers ``AutoModelForSequenceClassification`` directory with its tokenizer.
-    ``chat_template``: score ``[user: prompt, assistant: completion]`` through the reward model's chat template
-    (what chat reward models are trained on); else the plain text ``prompt + completion``, as the policy saw it."""
+    """``path``: a transformers ``AutoModelForSequenceClassification`` directory with its tokenizer. ``prompts`` are
+    the bare questions (the data's ``question``). ``chat_template``: score ``[user: question, assistant: completion]``
+    through the reward model's chat template (what chat reward models are trained on); else the plain text
+    ``question + completion``."""
 
     path: str
     batch_size: int = 8
