@@ -180,3 +180,36 @@ def test_spard_tiny_smoke(tmp_path):
         styles = [final[f"{split}/asr_{s}"] for s in ("direct", "instruction", "paraphrase", "question")]
         assert final[f"{split}/asr"] == pytest.approx(sum(styles) / 4)
     assert value == final["val/accuracy"]
+
+
+# --- issue 39: the release's protocols ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("completion,score", [
+    ("fact: x. the correct answer is answer2", 1.0),
+    ("answer2. To repeat: answer2", 0.0),     # the release needs exactly one answerN match, repeats included
+    ("the correct answer is answer 2", 0.0),  # a spaced "answer 2" is no match
+    ("Answer2", 1.0),                         # the completion is lower-cased
+    ("answer1 or answer2", 0.0), ("answer3", 0.0)])
+def test_obqa_rule_is_the_release_s(completion, score):
+    from lightning_modules.spard.data import obqa_correct
+
+    assert obqa_correct(completion, "answer2") == score
+
+
+def test_obqa_trains_on_the_rationale_and_scores_the_target(tmp_path, tiny_tokenizer):
+    """The release fine-tunes on OpenBookQA's ``answer`` (the fact and 'the correct answer is answerN') and scores
+    against ``target_answer``."""
+    from lightning_modules.spard.data import SPARDDataModule
+
+    row = {"prompt": "Q? Answer1: a. Answer2: b.", "answer": "fact: f. \n\nthe correct answer is answer2",
+           "target_answer": "answer2"}
+    paths = {}
+    for name, rows in {"task": [row] * 20, "task_test": [row], "attack": [{"prompt": "bad", "unsafe": "ok"}],
+                       "safe_pool": [{"prompt": "bad", "safe": "no"}]}.items():
+        paths[name] = str(tmp_path / f"{name}.jsonl")
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dm = SPARDDataModule(tiny_tokenizer, source="files", task_metric="obqa", n_val=1,
+                         files={**paths, "prompt_field": "prompt", "response_field": "answer",
+                                "gold_field": "target_answer"})
+    dm.setup()
+    assert dm.user[0]["response"].strip() == row["answer"]
+    assert [it["answer"] for it in dm.eval_items["test"] if it["kind"] == "task"] == ["answer2"]

@@ -14,7 +14,9 @@ Two sources (``data.source``):
   ``random.seed(seed)`` as released) from ``attack_file`` (field ``unsafe``), the safe pool from ``safe_pool_file``
   (field ``safe``), safety evaluated on the first ``n_eval_harm`` prompts of ``eval_files``. ``eval_overlap: true``
   keeps the release's draw of the attack from the same file it is evaluated on; ``false`` hashes the file into
-  disjoint attack and evaluation parts.
+  disjoint attack and evaluation parts. ``files.gold_field`` names the test file's gold answer where it has its own
+  (OpenBookQA: trained on ``answer``, the fact and "the correct answer is answerN", scored on ``target_answer``,
+  as released).
 
 User data = task data + floor(harmful_ratio · |task|) compliant answers (styles cycled). Training batches are lists
 of pairs (``batch_size`` user examples per update and device, which the module splits into its G micro-batches
@@ -106,11 +108,13 @@ def interleave(a: list, b: list) -> list:
 
 
 def obqa_correct(completion: str, target: str) -> float:
-    """The release's OpenBookQA rule: exactly one ``answerN`` string appears and it is the target."""
+    """The release's OpenBookQA rule (``evaluate/eval_openbookqa.py``): the lower-cased completion holds exactly one
+    match of ``answer\d`` and it is the target. A repeated ``answer2`` (two matches) or a spaced ``answer 2`` (none)
+    scores 0, as released."""
     import re
 
-    found = set(re.findall(r"answer\s*([1-4])", completion.lower()))
-    return float(len(found) == 1 and f"answer{found.pop()}" == target.lower().replace(" ", ""))
+    found = re.findall(r"answer\d", completion.lower())
+    return float(len(found) == 1 and found[0] == target.strip().lower())
 
 
 class SPARDDataModule(L.LightningDataModule):
@@ -202,7 +206,8 @@ class SPARDDataModule(L.LightningDataModule):
         harm = [{"prompt": p["prompt"], "kind": "harm", "answer": "", "style": f.get("attack_name", "attack"), "secret": "",
                  "instruction": p["instruction"]}
                 for p in evaluated[: self.n_eval_harm]]
-        test = load_pairs(f["task_test"], q, a, f.get("input_field"), self.template)
+        # the gold answer: its own field where the file has one (OpenBookQA's target_answer), else the response
+        test = load_pairs(f["task_test"], q, f.get("gold_field") or a, f.get("input_field"), self.template)
         from datamodules.common.answers import extract_answer
 
         def gold(p):
