@@ -64,7 +64,7 @@ def test_polyak_trust_region_caps_the_step():
 
 
 # --- the loop on a tiny random model --------------------------------------------------------------
-def fit(tokenizer, steps=3, G=2, **kw):
+def fit(tokenizer, steps=3, G=2, lr=1e-2, dm_setup=None, init_range=0.02, **kw):
     import lightning as L
 
     from lightning_modules.spard.data import SPARDDataModule
@@ -72,9 +72,13 @@ def fit(tokenizer, steps=3, G=2, **kw):
 
     L.seed_everything(0)
     dm = SPARDDataModule(tokenizer, n_task=40, pool_size=30, n_val=4, n_test=4, batch_size=2 * G)
+    if dm_setup is not None:  # edit the built sets before the fit (setup is idempotent)
+        dm.setup()
+        dm_setup(dm)
     spec = {"family": "llama", "config": {"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64,
-                                          "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2}}
-    module = SPARDModule(spec, partial(torch.optim.AdamW, lr=1e-2),
+                                          "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+                                          "initializer_range": init_range}}
+    module = SPARDModule(spec, partial(torch.optim.AdamW, lr=lr),
                          partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=lambda s: 1.0 / (1 + s)),
                          weight_decay=0.01, grad_accum=G, max_length=64, dpp={"ratio": 0.2}, **kw)
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
@@ -213,3 +217,37 @@ def test_obqa_trains_on_the_rationale_and_scores_the_target(tmp_path, tiny_token
     dm.setup()
     assert dm.user[0]["response"].strip() == row["answer"]
     assert [it["answer"] for it in dm.eval_items["test"] if it["kind"] == "task"] == ["answer2"]
+
+
+def test_safe_loss_is_token_weighted_as_released(tiny_tokenizer):
+    """L_s = CE summed over every response token of the G safe micro-batches / their count (HF's num_items_in_batch),
+    not the mean of per-example means: planted refusals of very different lengths tell the two apart."""
+    from datamodules.instruct import cycling_loader, sft_batch
+
+    def vary(dm):  # refusals of 1 to 30 words
+        for i, p in enumerate(dm.pool):
+            p["response"] = " No." + " It is private." * (i % 10) * 3
+
+    seen = {}
+    for reduce in ("token", "mean"):
+        # lr 0 and a trigger that never fires: the weights stay as built, so the loss can be recomputed after the fit
+        # (wide initial weights: token CEs far from uniform, so the two reductions differ clearly)
+        module, trainer = fit(tiny_tokenizer, steps=1, G=4, lr=0.0, tau=1e9, dm_setup=vary, init_range=1.0,
+                              safe_loss_reduce=reduce)
+        dm = trainer.datamodule
+        drawn = [b for b, _ in zip(cycling_loader(dm.pool, 1, module.selected, seed=module.seed), range(4))]
+        sums, counts, means = 0.0, 0, []
+        with torch.no_grad():
+            for pairs in drawn:
+                b = sft_batch(tiny_tokenizer, pairs, max_length=64)
+                logits = module.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
+                ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["labels"][:, 1:].flatten(),
+                                                       reduction="sum", ignore_index=-100)
+                n = int((b["labels"][:, 1:] != -100).sum())
+                sums, counts = sums + float(ce), counts + n
+                means.append(float(ce) / n)
+        seen[reduce] = float(trainer.callback_metrics["train/safe_loss"])
+        expected = sums / counts if reduce == "token" else sum(means) / len(means)
+        assert seen[reduce] == pytest.approx(expected, rel=1e-4)
+    assert abs(seen["token"] - seen["mean"]) > 1e-3 * seen["mean"]  # 10x the tolerance: the reductions differ
+
