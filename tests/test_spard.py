@@ -251,3 +251,19 @@ def test_safe_loss_is_token_weighted_as_released(tiny_tokenizer):
         assert seen[reduce] == pytest.approx(expected, rel=1e-4)
     assert abs(seen["token"] - seen["mean"]) > 1e-3 * seen["mean"]  # 10x the tolerance: the reductions differ
 
+
+def test_epochs_fix_the_update_count(tiny_tokenizer):
+    """With data.epochs the run refuses a max_steps other than the release's count for the file it loads."""
+    from types import SimpleNamespace
+
+    from lightning_modules.spard.data import SPARDDataModule, release_updates
+
+    assert release_updates(7473, 0.1, 10, 128) == 650 and release_updates(4957, 0.1, 10, 128) == 430
+    for steps, ok in ((release_updates(40, 0.1, 3, 8), True), (90, False)):
+        dm = SPARDDataModule(tiny_tokenizer, n_task=40, pool_size=30, n_val=4, n_test=4, batch_size=4, epochs=3)
+        dm.trainer = SimpleNamespace(max_steps=steps, world_size=2)  # 4 per rank x 2 ranks = 8 per update
+        if ok:
+            dm.setup()
+        else:
+            with pytest.raises(ValueError, match=r"set trainer.max_steps=18 data.task_rows=40"):
+                dm.setup()

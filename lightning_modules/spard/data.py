@@ -18,6 +18,10 @@ Two sources (``data.source``):
   (OpenBookQA: trained on ``answer``, the fact and "the correct answer is answerN", scored on ``target_answer``,
   as released).
 
+``epochs`` (paper scale: 10, as released) makes the run check that ``trainer.max_steps`` is the release's update
+count, epochs x ceil(|user| / global batch) (:func:`release_updates`), for the task file it loads; ``task_rows`` is
+the row count the experiment's ``max_steps`` (and its ``paper:`` header) assume.
+
 User data = task data + floor(harmful_ratio · |task|) compliant answers (styles cycled). Training batches are lists
 of pairs (``batch_size`` user examples per update and device, which the module splits into its G micro-batches
 and tokenises, cut at ``seq_len`` tokens). ``reference`` is R's prompt
@@ -27,6 +31,7 @@ prompt text the selector embeds). Val / test items: ``{"prompt", "kind": "task" 
 """
 from __future__ import annotations
 
+import math
 import random
 
 import lightning as L
@@ -102,6 +107,14 @@ def aligned(n, seed, split=None, val_fraction=0.0, test_fraction=0.0, refuse_fra
     return mixed
 
 
+def release_updates(task_rows: int, harmful_ratio: float, epochs: float, global_batch: int) -> int:
+    """SPAG updates of an epoch-based run as the release counts them (HF ``Trainer``, one process): the user data
+    (task + floor(harmful_ratio x task)) in batches of ``global_batch`` (per-device 32 x G 4 = 128: ceil(ceil(n / 32)
+    / 4) = ceil(n / 128)), times the epochs, rounded up."""
+    n_user = task_rows + int(harmful_ratio * task_rows)
+    return math.ceil(epochs * math.ceil(n_user / global_batch))
+
+
 def interleave(a: list, b: list) -> list:
     out = [x for pair in zip(a, b) for x in pair]
     return out + a[len(b):] + b[len(a):]
@@ -124,7 +137,8 @@ class SPARDDataModule(L.LightningDataModule):
                  n_val: int = 32, n_test: int = 64, n_eval_harm: int = 500, batch_size: int = 32,
                  seq_len: int = 2048, seed: int = 0, attack_seed: int | None = None,
                  files: dict | None = None, eval_overlap: bool = True, template: str = "alpaca",
-                 task_metric: str = "exact_match", num_workers: int = 0):
+                 task_metric: str = "exact_match", epochs: float | None = None, task_rows: int | None = None,
+                 num_workers: int = 0):
         super().__init__()
         if source not in SOURCES:
             raise ValueError(f"data.source={source!r}: choose one of {', '.join(SOURCES)}")
@@ -143,6 +157,7 @@ class SPARDDataModule(L.LightningDataModule):
         self.seed, self.attack_seed = seed, seed if attack_seed is None else attack_seed
         self.files, self.eval_overlap, self.template = dict(files or {}), eval_overlap, template
         self.task_metric, self.num_workers = task_metric, num_workers
+        self.epochs, self.task_rows = epochs, task_rows
         self.user = self.pool = self.reference = None
         self.eval_items: dict[str, list[dict]] = {}
 
@@ -158,6 +173,7 @@ class SPARDDataModule(L.LightningDataModule):
         attack = rng.sample(attack_src, n_harm) if n_harm else []
         self.user = task + attack
         self.attack = attack
+        self.check_updates(len(task))
         self.reference = [p.get("instruction", p["prompt"]) for p in self.user]
         self.pool = pool
         # interleaved, so an evaluation capped at a few batches (debug=smoke) still sees both kinds
@@ -216,6 +232,20 @@ class SPARDDataModule(L.LightningDataModule):
         tests = [{"prompt": p["prompt"], "kind": "task", "answer": gold(p), "style": "", "secret": ""} for p in test]
         val = [dict(t) for t in tests[: self.n_val]]  # the release has no validation split: a slice of test, monitored only
         return task, {"val": harm[: self.n_val], "test": harm}, attack_src, pool, {"val": val, "test": tests[: self.n_test] if self.n_test else tests}
+
+    def check_updates(self, task_rows: int) -> None:
+        """With ``epochs``: ``trainer.max_steps`` must be the release's update count for this task file at this
+        run's global batch (``batch_size`` x ranks), else one line naming the value to set."""
+        trainer = self.trainer
+        if self.epochs is None or trainer is None or not trainer.max_steps or trainer.max_steps < 0:
+            return
+        global_batch = self.batch_size * trainer.world_size
+        want = release_updates(task_rows, self.harmful_ratio, self.epochs, global_batch)
+        if trainer.max_steps != want:
+            raise ValueError(
+                f"trainer.max_steps={trainer.max_steps}, but {self.epochs:g} epochs of this task file ({task_rows} rows "
+                f"+ {int(self.harmful_ratio * task_rows)} harmful) at {global_batch} per update are {want} updates: "
+                f"set trainer.max_steps={want} data.task_rows={task_rows}")
 
     # --- loaders --------------------------------------------------------------------------------
     def train_dataloader(self):
