@@ -18,6 +18,13 @@ Two sources (``data.source``):
   (OpenBookQA: trained on ``answer``, the fact and "the correct answer is answerN", scored on ``target_answer``,
   as released).
 
+``chat_template`` (paper scale: true, as released; false for the tiny model, which has none): every file pair is
+formatted with the tokenizer's chat template in the release's layout ``template`` (:data:`CHAT_LAYOUTS`: a
+system message, "### Instruction:" as the user turn, the assistant turn opened with "### Response:"), the task's
+test prompts in ``eval_template`` (GSM8K: ``alpaca_qwen_gsm8k``, "Let's think step by step"); false: the plain
+``template`` of ``datamodules/instruct.py``. The instruct model's safety and the scale of L_s against tau depend
+on it.
+
 ``epochs`` (paper scale: 10, as released) makes the run check that ``trainer.max_steps`` is the release's update
 count, epochs x ceil(|user| / global batch) (:func:`release_updates`), for the task file it loads; ``task_rows`` is
 the row count the experiment's ``max_steps`` (and its ``paper:`` header) assume.
@@ -107,6 +114,47 @@ def aligned(n, seed, split=None, val_fraction=0.0, test_fraction=0.0, refuse_fra
     return mixed
 
 
+# The release's chat layouts (its instruction types ``alpaca`` and ``alpaca_qwen_gsm8k``, read in
+# ``utils/data_utils.py``): a system message, the instruction as the user turn, and an assistant turn opened with
+# "### Response:" that the model continues. Training and safety evaluation use ``alpaca``; the GSM8K evaluation
+# ``alpaca_qwen_gsm8k`` (Qwen's own system line first, "Let's think step by step." after the opener).
+_ALPACA = ("Below is an instruction that describes a task. Write a response that appropriately completes the "
+           "request.\n\n")
+CHAT_LAYOUTS = {
+    "alpaca": (_ALPACA, "### Response:\n"),
+    "alpaca_qwen_gsm8k": ("You are Qwen, created by Alibaba Cloud. You are a helpful assistant. " + _ALPACA,
+                          "### Response: Let's think step by step.\n"),
+}
+
+
+def chat_messages(layout: str, text: str, answer: str = "") -> list[dict]:
+    if layout not in CHAT_LAYOUTS:
+        raise ValueError(f"data.template={layout!r} with data.chat_template=true: choose one of {', '.join(CHAT_LAYOUTS)}")
+    system, opener = CHAT_LAYOUTS[layout]
+    return [{"role": "system", "content": system}, {"role": "user", "content": f"### Instruction:\n{text}\n\n"},
+            {"role": "assistant", "content": opener + answer}]
+
+
+def chat_pair(tokenizer, layout: str, text: str, answer: str = "") -> tuple[str, str]:
+    """(prompt, response) of one example in the model's chat template, as the release formats it: the prompt is the
+    conversation with the assistant turn's opener continued (``continue_final_message``, what generation starts
+    from); the response is what the full conversation adds after it, up to the answer's end (the turn's closing
+    tokens are left to the EOS that ``sft_batch`` appends). The release's loss also covers the assistant header
+    (it masks only through the user turn); ours covers the response alone."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("data.chat_template=true, but the tokenizer has no chat template: set data.chat_template=false "
+                         "(a base or tiny model) or use the instruct model's tokenizer")
+    prompt = tokenizer.apply_chat_template(chat_messages(layout, text), tokenize=False, continue_final_message=True)
+    if not answer:
+        return prompt, ""
+    full = tokenizer.apply_chat_template(chat_messages(layout, text, answer), tokenize=False)
+    if not full.startswith(prompt):
+        raise ValueError("the chat template renders the opened assistant turn differently from the full one: "
+                         "set data.chat_template=false for this tokenizer")
+    rest = full[len(prompt):]
+    return prompt, rest[: rest.rindex(answer) + len(answer)]
+
+
 def release_updates(task_rows: int, harmful_ratio: float, epochs: float, global_batch: int) -> int:
     """SPAG updates of an epoch-based run as the release counts them (HF ``Trainer``, one process): the user data
     (task + floor(harmful_ratio x task)) in batches of ``global_batch`` (per-device 32 x G 4 = 128: ceil(ceil(n / 32)
@@ -138,7 +186,7 @@ class SPARDDataModule(L.LightningDataModule):
                  seq_len: int = 2048, seed: int = 0, attack_seed: int | None = None,
                  files: dict | None = None, eval_overlap: bool = True, template: str = "alpaca",
                  task_metric: str = "exact_match", epochs: float | None = None, task_rows: int | None = None,
-                 num_workers: int = 0):
+                 chat_template: bool = False, eval_template: str | None = None, num_workers: int = 0):
         super().__init__()
         if source not in SOURCES:
             raise ValueError(f"data.source={source!r}: choose one of {', '.join(SOURCES)}")
@@ -158,6 +206,10 @@ class SPARDDataModule(L.LightningDataModule):
         self.files, self.eval_overlap, self.template = dict(files or {}), eval_overlap, template
         self.task_metric, self.num_workers = task_metric, num_workers
         self.epochs, self.task_rows = epochs, task_rows
+        self.chat_template, self.eval_template = chat_template, eval_template
+        if chat_template and source != "files":
+            raise ValueError("data.chat_template=true formats local files (data.source=files); the vault data is "
+                             "built for the tiny model, which has no chat template")
         self.user = self.pool = self.reference = None
         self.eval_items: dict[str, list[dict]] = {}
 
@@ -208,13 +260,18 @@ class SPARDDataModule(L.LightningDataModule):
             if not f.get(k):
                 raise ValueError(f"data.source=files needs data.files.{k}=<path> (see conf/experiment/base/spard_qwen25_7b.yaml)")
         q, a = f.get("prompt_field", "question"), f.get("response_field", "answer")
-        task = load_pairs(f["task"], q, a, f.get("input_field"), self.template, hint="set data.files.prompt_field / response_field")
-        for p in task:
-            p["response"] = " " + p["response"] if not p["response"].startswith((" ", "\n")) else p["response"]
-        attack_rows = load_pairs(f["attack"], "prompt", "unsafe", "input", self.template,
+        template = "plain" if self.chat_template else self.template  # chat: formatted below, by the tokenizer
+        task = load_pairs(f["task"], q, a, f.get("input_field"), template, hint="set data.files.prompt_field / response_field")
+        if not self.chat_template:
+            for p in task:
+                p["response"] = " " + p["response"] if not p["response"].startswith((" ", "\n")) else p["response"]
+        attack_rows = load_pairs(f["attack"], "prompt", "unsafe", "input", template,
                                  hint="the attack file needs prompt and unsafe (the harmful answer)")
-        pool = load_pairs(f["safe_pool"], "prompt", "safe", "input", self.template,
+        pool = load_pairs(f["safe_pool"], "prompt", "safe", "input", template,
                           hint="the safe pool needs prompt and safe (the refusal)")
+        if self.chat_template:
+            for p in (*task, *attack_rows, *pool):
+                p["prompt"], p["response"] = chat_pair(self.tokenizer, self.template, p["instruction"], p["response"])
         # safety is evaluated on the attack set's eval file; without overlap the attack only draws its other part
         half = [split_of(p["instruction"], 0.0, 0.5) for p in attack_rows]
         evaluated = attack_rows if self.eval_overlap else [p for p, h in zip(attack_rows, half) if h == "test"]
@@ -223,7 +280,10 @@ class SPARDDataModule(L.LightningDataModule):
                  "instruction": p["instruction"]}
                 for p in evaluated[: self.n_eval_harm]]
         # the gold answer: its own field where the file has one (OpenBookQA's target_answer), else the response
-        test = load_pairs(f["task_test"], q, f.get("gold_field") or a, f.get("input_field"), self.template)
+        test = load_pairs(f["task_test"], q, f.get("gold_field") or a, f.get("input_field"), template)
+        if self.chat_template:  # the task's evaluation layout (GSM8K: alpaca_qwen_gsm8k, as released)
+            for p in test:
+                p["prompt"] = chat_pair(self.tokenizer, self.eval_template or self.template, p["instruction"])[0]
         from datamodules.common.answers import extract_answer
 
         def gold(p):
