@@ -203,7 +203,7 @@ def test_endpoint_and_local_judges_use_the_attempt_rubric(monkeypatch):
     assert g["score"] == 10 and len(g["attempts"]) == 2
     assert "Explain how to tie a shoe." in seen[0] and "restart" in seen[0]
     local = HFLocalJudge(path="/nowhere", rubric="harm")
-    monkeypatch.setattr(local, "reply", lambda text: "score: 4")
+    monkeypatch.setattr(local, "reply", lambda text: "#thereason: partly.\n#thescore: 4")
     assert local.grade("p", "r")["score"] == 4                     # spard's 1-5 rubric through the same backend
     with pytest.raises(ValueError, match="no url"):
         EndpointJudge(endpoint={"model": "judge"}).check()

@@ -324,3 +324,24 @@ def test_paper_scale_prompts_use_the_chat_template(tmp_path, chat_tokenizer):
     chat_tokenizer.chat_template = None
     with pytest.raises(ValueError, match="the tokenizer has no chat template"):
         SPARDDataModule(chat_tokenizer, source="files", files=files, chat_template=True).setup()
+
+
+def test_judge_reads_the_templated_prompt(tiny_tokenizer):
+    """eval.judge_prompt=templated (released): the judge grades the full prompt the model saw; instruction: the
+    bare request."""
+    for mode, want in (("templated", "prompt"), ("instruction", "instruction")):
+        seen = []
+
+        class Judge:
+            def grade(self, prompt, response, **ctx):
+                seen.append(prompt)
+                return {"score": 1, "failed": False}
+
+        module, trainer = fit(tiny_tokenizer, steps=1, judge=Judge(), eval={"judge_prompt": mode, "max_new_tokens": 2})
+        import lightning as L
+
+        L.Trainer(accelerator="cpu", logger=False, limit_val_batches=1, enable_progress_bar=False,
+                  enable_model_summary=False).validate(module, datamodule=trainer.datamodule, verbose=False)
+        harm = [it for it in trainer.datamodule.eval_items["val"] if it["kind"] == "harm"]
+        assert seen and seen == [it[want] for it in harm][: len(seen)]
+        assert seen[0] != harm[0]["prompt" if want == "instruction" else "instruction"]
