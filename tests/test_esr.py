@@ -308,3 +308,51 @@ def test_train_sae_works_inside_inference_mode():
         x = acts.clone()
         err = ((sae.decode(sae.encode(x)) - x) ** 2).sum(-1).mean() / ((x - x.mean(0)) ** 2).sum(-1).mean()
     assert err < 0.3, float(err)
+
+
+def _release_bisection(score, lo, hi, grid, mu, sd, trials, target, update_weight=5):
+    """The release's probabilistic bisection (threshold_finder.py), rewritten here as a scalar reference: log-space
+    density, y = sign(score - target) flipped when its confidence is below 0.5, the queried point weighted by the
+    geometric mean of p and 1 - p."""
+    from scipy.stats import beta, norm
+
+    x = np.linspace(lo, hi, grid)
+    logd = np.log(norm.pdf(x, mu, sd))
+    logd = np.log(np.exp(logd - logd.max()) / np.exp(logd - logd.max()).sum())
+
+    def median():
+        d = np.exp(logd - logd.max())
+        return x[np.searchsorted(np.cumsum(d / d.sum()), 0.5)]
+
+    for _ in range(trials):
+        m = median()
+        s = float(score(np.array([m]))[0])
+        y = 1 if s >= target else -1
+        below = beta.cdf(target, 0.5 + update_weight * s, 0.5 + update_weight * (1 - s))
+        p = 1 - below if y == 1 else below
+        if p < 0.5:
+            y, p = -y, 1 - p
+        i = np.searchsorted(x, m)
+        ll = np.empty_like(logd)
+        ll[:i], ll[i], ll[i + 1:] = (np.log(1 - p), (np.log(p) + np.log(1 - p)) / 2, np.log(p))[::y]
+        logd = logd + ll
+        logd = logd - logd.max()
+    return median()
+
+
+def test_bisection_is_the_release_s_trial_for_trial():
+    """query_weight=geometric (default): the queried grid point weighted by sqrt(p(1-p)), as released; the estimate
+    equals the release's algorithm's on every case (a coarse grid makes the queried point's weight matter)."""
+    diffs = {"geometric": 0, "below": 0}
+    for seed in range(40):
+        root = np.random.default_rng(seed).uniform(1.0, 4.0)
+
+        def score(b):  # deterministic in the boost, so both runs see the same score wherever they agree
+            return np.clip(1 / (1 + np.exp(2.5 * (b - root))) + 0.15 * np.sin(37 * b + seed), 0, 1)
+
+        ref = _release_bisection(score, 0.0, 5.0, 41, 1.0, 0.34 * 5, 12, 0.3)
+        for mode in diffs:
+            est = bisect(score, n=1, lo=0.0, hi=5.0, grid=41, prior_mu=1.0, prior_sd=1.7, trials=12, target=0.3,
+                         **({} if mode == "geometric" else {"query_weight": mode}))
+            diffs[mode] += not np.isclose(est[0], ref)
+    assert diffs["geometric"] == 0 and diffs["below"] > 0, diffs

@@ -41,7 +41,7 @@ SAE_DEFAULTS = {"format": "train", "path": None, "layer": 2, "d_sae": 1024, "l1"
 STEER_DEFAULTS = {"layer": 2, "mode": "add", "normalize": True, "exclude_topk": 100, "concreteness_min": None,
                   "concreteness_file": None, "n_latents": 80, "seed": 0}
 THRESHOLD_DEFAULTS = {"lo": 0.0, "hi": 5.0, "grid": 10_000, "prior_mu": 1.0, "prior_sd": 0.34, "trials": 20,
-                      "target": 0.3, "scale": 1.0}
+                      "target": 0.3, "scale": 1.0, "query_weight": "geometric"}
 GEN_DEFAULTS = {"max_new_tokens": 512, "temperature": 0.6, "repetition_penalty": 1.2, "trials": 10, "batch_size": 64,
                 "unsteered_trials": 1}
 OTD_DEFAULTS = {"enabled": True, "freq": 0.8, "random_sets": 3}
@@ -327,7 +327,7 @@ class ESRModule(CausalLMModule):
 
         t = self.thr
         thresholds = bisect(trial, L, float(t["lo"]), float(t["hi"]), int(t["grid"]), float(t["prior_mu"]),
-                            float(t["prior_sd"]), int(t["trials"]), float(t["target"]))
+                            float(t["prior_sd"]), int(t["trials"]), float(t["target"]), str(t["query_weight"]))
         values = thresholds * float(t["scale"])
 
         # steered trials at the thresholds
