@@ -356,3 +356,23 @@ def test_bisection_is_the_release_s_trial_for_trial():
                          **({} if mode == "geometric" else {"query_weight": mode}))
             diffs[mode] += not np.isclose(est[0], ref)
     assert diffs["geometric"] == 0 and diffs["below"] > 0, diffs
+
+
+@pytest.mark.parametrize("experiment", ["esr_llama31_8b", "esr_gemma2_2b"])
+def test_each_model_searches_its_release_range(experiment):
+    """The release's per-model search range and prior (the [0, 5] defaults are overridden by every released model
+    config): with the experiment's own threshold settings a planted threshold of 40 is found within 5%."""
+    t = compose(experiment).model.threshold
+    logit = math.log(0.3 / 0.7)
+    hits = 0
+    for seed in range(50):
+        rng = np.random.default_rng(seed)
+
+        def score(x):  # mean of `samples` noisy first-attempt scores, 0.3 at a boost of 40
+            s = 1 / (1 + np.exp(-(logit - (x[:, None] - 40) / 2)))
+            return np.clip(s + rng.normal(0, 0.1, size=(len(x), int(t.get("samples", 1)))), 0, 1).mean(1)
+
+        est = bisect(score, 1, float(t.lo), float(t.hi), int(t.grid), float(t.prior_mu), float(t.prior_sd),
+                     int(t.trials), float(t.target))
+        hits += abs(est[0] - 40) <= 2
+    assert hits >= 45, hits

@@ -7,8 +7,11 @@ Test loop, one pass (``lightning_modules/esr/{sae,steer,threshold,metrics}.py``)
    activations (saved in SAELens layout under the cache, read back through the SAELens loader), else a release file.
 2. The latent pool: latents zero on every prompt and outside each prompt's top-k (``steer.exclude_topk``),
    concreteness ≥ ``steer.concreteness_min`` (null: skipped); ``steer.n_latents`` drawn from it.
-3. Thresholds: probabilistic bisection per latent (``threshold.*``), each trial a steered response to a random prompt
-   judged on its first attempt.
+3. Thresholds: probabilistic bisection per latent (``threshold.*``: each model's search range and prior are the
+   release's and live in its experiment; the model config keeps the release's dataclass defaults [0, 5], 1.0 ±
+   0.34, which every released model config overrides), each trial the mean first-attempt score of
+   ``threshold.samples`` steered responses to distinct random prompts, ``threshold.max_new_tokens`` long (null:
+   half of ``gen.max_new_tokens``, as released); the estimate rounded to 0.01, as released.
 4. ``gen.trials`` steered responses per latent at its threshold; the judge splits attempts; ``test/steered/*``:
    multi-attempt, ESR, improvement, mean Δ and SEs. ``test/unsteered/*``: the same prompts without steering.
 5. Off-topic detectors (``otd.enabled``): unsteered responses paired with their prompt vs a derangement, SAE
@@ -41,7 +44,7 @@ SAE_DEFAULTS = {"format": "train", "path": None, "layer": 2, "d_sae": 1024, "l1"
 STEER_DEFAULTS = {"layer": 2, "mode": "add", "normalize": True, "exclude_topk": 100, "concreteness_min": None,
                   "concreteness_file": None, "n_latents": 80, "seed": 0}
 THRESHOLD_DEFAULTS = {"lo": 0.0, "hi": 5.0, "grid": 10_000, "prior_mu": 1.0, "prior_sd": 0.34, "trials": 20,
-                      "target": 0.3, "scale": 1.0, "query_weight": "geometric"}
+                      "target": 0.3, "scale": 1.0, "query_weight": "geometric", "samples": 1, "max_new_tokens": None}
 GEN_DEFAULTS = {"max_new_tokens": 512, "temperature": 0.6, "repetition_penalty": 1.2, "trials": 10, "batch_size": 64,
                 "unsteered_trials": 1}
 OTD_DEFAULTS = {"enabled": True, "freq": 0.8, "random_sets": 3}
@@ -247,12 +250,13 @@ class ESRModule(CausalLMModule):
         return apply_template(self.trainer.datamodule.template, text)
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], fn=None) -> list[str]:
+    def generate(self, prompts: list[str], fn=None, max_new_tokens: int | None = None) -> list[str]:
         g, tok, out = self.gen, self.tokenizer(), []
         bs = int(g["batch_size"])
         for i in range(0, len(prompts), bs):
             ids, mask = self._encode(prompts[i:i + bs], "left")
-            kw = dict(max_new_tokens=int(g["max_new_tokens"]), repetition_penalty=float(g["repetition_penalty"]),
+            kw = dict(max_new_tokens=int(max_new_tokens or g["max_new_tokens"]),
+                      repetition_penalty=float(g["repetition_penalty"]),
                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
             kw.update(do_sample=True, temperature=float(g["temperature"])) if g["temperature"] else kw.update(do_sample=False)
             if fn is None:
@@ -284,7 +288,7 @@ class ESRModule(CausalLMModule):
             return S.compose(step, clamp)
         return for_rows
 
-    def judged(self, items: list[dict], responses: list[str]) -> list[dict]:
+    def judged(self, items: list[dict], responses: list[str], latents=None) -> list[dict]:
         return [self.judge.grade(it["prompt"], r, keywords=it.get("keywords")) for it, r in zip(items, responses)]
 
     # --- the study -----------------------------------------------------------------------------------------------
@@ -318,16 +322,25 @@ class ESRModule(CausalLMModule):
         latents = sorted(rng.sample(pool, min(int(self.steer["n_latents"]), len(pool))))
         L = len(latents)
 
-        # thresholds by probabilistic bisection: one judged response per latent per trial
-        def trial(boosts: np.ndarray) -> np.ndarray:
-            picks = [items[rng.randrange(len(items))] for _ in latents]
-            texts = self.generate([self.prompt_text(it, lat) for it, lat in zip(picks, latents)],
-                                  self.steering(latents, boosts * float(self.thr["scale"])))
-            return np.array([(g["score"] or 0.0) / 100 for g in self.judged(picks, texts)])
-
+        # thresholds by probabilistic bisection: per latent and trial, the mean first-attempt score of
+        # ``threshold.samples`` judged responses to distinct random prompts (the release's
+        # threshold_samples_per_trial), each ``threshold.max_new_tokens`` long (null: half of gen.max_new_tokens,
+        # as released)
         t = self.thr
+        n_s = min(int(t["samples"]), len(items))
+        calib_tokens = int(t["max_new_tokens"] or int(self.gen["max_new_tokens"]) // 2)
+
+        def trial(boosts: np.ndarray) -> np.ndarray:
+            picks = [it for _ in latents for it in rng.sample(items, n_s)]
+            lats = [lat for lat in latents for _ in range(n_s)]
+            texts = self.generate([self.prompt_text(it, lat) for it, lat in zip(picks, lats)],
+                                  self.steering(lats, np.repeat(boosts, n_s) * float(t["scale"])), calib_tokens)
+            scores = np.array([(g["score"] or 0.0) / 100 for g in self.judged(picks, texts, lats)])
+            return scores.reshape(len(latents), n_s).mean(1)
+
         thresholds = bisect(trial, L, float(t["lo"]), float(t["hi"]), int(t["grid"]), float(t["prior_mu"]),
                             float(t["prior_sd"]), int(t["trials"]), float(t["target"]), str(t["query_weight"]))
+        thresholds = np.round(thresholds, 2)  # as released
         values = thresholds * float(t["scale"])
 
         # steered trials at the thresholds
