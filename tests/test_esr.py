@@ -53,7 +53,7 @@ def _next_block_input(model, layer, run):
 def test_boost_adds_value_times_unit_direction_everywhere_cached_too():
     model, sae, layer = tiny_llama(), random_sae(), 1
     ids = torch.randint(0, 64, (2, 7))
-    d = S.directions(sae, [3, 5])
+    d = S.directions(sae, [3, 5], normalize=True)
     values = torch.tensor([1.5, -0.7])
     assert torch.allclose(d.norm(dim=-1), torch.ones(2))
     with torch.no_grad():
@@ -376,3 +376,21 @@ def test_each_model_searches_its_release_range(experiment):
                      int(t.trials), float(t.target))
         hits += abs(est[0] - 40) <= 2
     assert hits >= 45, hits
+
+
+def test_default_boost_adds_the_raw_decoder_row():
+    """steer.normalize=false (default, the release's fork): the boost adds value x W_dec[i] itself, not the unit row
+    (here W_dec rows have norms far from 1, so the two differ); normalize=true keeps ours."""
+    from lightning_modules.esr.module import ESRModule
+
+    sae = random_sae()
+    h = torch.randn(2, 5, 32)
+    values = np.array([2.0, -1.5], dtype=np.float32)
+    for normalize in (None, True):
+        steer = {"layer": 1} if normalize is None else {"layer": 1, "normalize": normalize}
+        module = ESRModule({"family": "llama", "config": {"num_hidden_layers": 3}}, sae={"layer": 1}, steer=steer)
+        module._sae = sae
+        out = module.steering([3, 5], values)(slice(0, 2))(h, torch.arange(5))
+        rows = sae.W_dec[[3, 5]] if normalize is None else S.directions(sae, [3, 5], normalize=True)
+        assert torch.allclose(out - h, torch.as_tensor(values)[:, None, None] * rows[:, None, :], atol=1e-5)
+    assert not torch.allclose(sae.W_dec[[3, 5]].norm(dim=-1), torch.ones(2), atol=0.1)

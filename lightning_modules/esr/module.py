@@ -18,7 +18,9 @@ Test loop, one pass (``lightning_modules/esr/{sae,steer,threshold,metrics}.py``)
    activations max-pooled over the response; ``test/otd_ablation/*``: the steered trials again with the detectors
    clamped to 0 at ``sae.layer``; ``test/random_ablation/*``: the mean over ``otd.random_sets`` equal-size sets.
 
-Steering (``steer.mode``): ``add`` h ← h + value·d̂ at ``steer.layer`` on every position (``steer.normalize``), or
+Steering (``steer.mode``): ``add`` h ← h + value·d at ``steer.layer`` on every position, d the raw decoder row
+W_dec[i] (``steer.normalize: false``, the release's fork: its boost values are in those units) or the unit row
+W_dec[i]/‖W_dec[i]‖ (``true``, ours: a boost means the same residual shift for every latent), or
 ``clamp`` (the latent's activation set to ``value``: h ← h + (value − f_i)·W_dec[i]). ``sae.layer`` and
 ``steer.layer`` are separate (the 70B release: SAE trained at 50, steering at 33). ``meta_prompt``: none | 1..4,
 the release's sentence appended to every prompt.
@@ -41,7 +43,7 @@ from lightning_modules.esr.threshold import bisect
 
 SAE_DEFAULTS = {"format": "train", "path": None, "layer": 2, "d_sae": 1024, "l1": 0.18, "steps": 800,
                 "batch_size": 256, "lr": 1e-3, "n_texts": 1024, "seed": 0}
-STEER_DEFAULTS = {"layer": 2, "mode": "add", "normalize": True, "exclude_topk": 100, "concreteness_min": None,
+STEER_DEFAULTS = {"layer": 2, "mode": "add", "normalize": False, "exclude_topk": 100, "concreteness_min": None,
                   "concreteness_file": None, "n_latents": 80, "seed": 0}
 THRESHOLD_DEFAULTS = {"lo": 0.0, "hi": 5.0, "grid": 10_000, "prior_mu": 1.0, "prior_sd": 0.34, "trials": 20,
                       "target": 0.3, "scale": 1.0, "query_weight": "geometric", "samples": 1, "max_new_tokens": None}

@@ -1,8 +1,9 @@
 """Steering a residual stream with SAE latents (fns for ``lightning_modules.common.activations.intervene``).
 
-- :func:`boost`: h ← h + value·d at every position (cached decoding included), d = W_dec[i]/‖W_dec[i]‖
-  (``normalize: true``; the release's vLLM fork is unverified on this) or the raw W_dec[i]; one latent and value
-  per batch row, so a batch steers many latents at once.
+- :func:`boost`: h ← h + value·d at every position (cached decoding included), d = the raw W_dec[i]
+  (``normalize: false``, the release's fork, default) or W_dec[i]/‖W_dec[i]‖ (``normalize: true``: equal boosts
+  shift the residual equally for every latent); one latent and value per batch row, so a batch steers many
+  latents at once.
 - :func:`clamp_zero`: h ← h − Σ_{i∈S} f_i(h)·W_dec[i] (f = SAE.encode(h)): latents S clamped to 0 while the SAE's
   error h − SAE(h) is kept; a no-op where f_i = 0.
 - :func:`compose`: fns applied in order (the boost first, then the detectors' clamp sees the boosted stream).
@@ -19,7 +20,7 @@ MODES = ("add", "clamp")
 Fn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def directions(sae, latents: Sequence[int] | torch.Tensor, normalize: bool = True) -> torch.Tensor:
+def directions(sae, latents: Sequence[int] | torch.Tensor, normalize: bool = False) -> torch.Tensor:
     idx = torch.as_tensor(latents, dtype=torch.long)
     return sae.direction(idx) if normalize else sae.W_dec[idx]
 
