@@ -394,3 +394,46 @@ def test_default_boost_adds_the_raw_decoder_row():
         rows = sae.W_dec[[3, 5]] if normalize is None else S.directions(sae, [3, 5], normalize=True)
         assert torch.allclose(out - h, torch.as_tensor(values)[:, None, None] * rows[:, None, :], atol=1e-5)
     assert not torch.allclose(sae.W_dec[[3, 5]].norm(dim=-1), torch.ones(2), atol=0.1)
+
+
+CHAT = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture
+def chat_tokenizer(tmp_path, tiny_tokenizer):
+    """The project's tokenizer with turn markers and a chat template that writes the BOS, saved and reloaded."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer.name_or_path)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHAT
+    tok.save_pretrained(tmp_path / "chat_tok")
+    return AutoTokenizer.from_pretrained(tmp_path / "chat_tok")
+
+
+def test_prompts_use_the_chat_template_with_its_bos(chat_tokenizer, tmp_path):
+    """data.chat_template (paper scale): the model reads each prompt as one user turn of its chat template, the BOS
+    the template writes first and once, ids equal to apply_chat_template's; the SFT file's prompts likewise."""
+    from types import SimpleNamespace
+
+    from lightning_modules.esr.data import ESRDataModule
+    from lightning_modules.esr.module import ESRModule
+
+    (tmp_path / "sft.jsonl").write_text(json.dumps({"prompt": "Explain how to bake bread.", "distractor": " Owls.",
+                                                     "response": " Wait. Knead it."}) + "\n")
+    dm = ESRDataModule(chat_tokenizer, prompts="tiny", chat_template=True, sft_file=str(tmp_path / "sft.jsonl"))
+    dm.setup()
+    module = ESRModule({"family": "llama", "config": {"num_hidden_layers": 3}}, sae={"layer": 1}, steer={"layer": 1})
+    module._trainer = SimpleNamespace(datamodule=dm)
+    item = dm.prompts[0]
+    ids, _ = module._encode([module.prompt_text(item)], "left")
+    want = chat_tokenizer.apply_chat_template([{"role": "user", "content": item["prompt"]}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=True)["input_ids"]
+    assert ids[0].tolist() == list(want)
+    assert ids[0, 0] == chat_tokenizer.bos_token_id and (ids[0] == chat_tokenizer.bos_token_id).sum() == 1
+    assert dm.sft[0]["prompt"] == chat_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Explain how to bake bread."}], tokenize=False, add_generation_prompt=True)
+    chat_tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="the tokenizer has no chat template"):
+        ESRDataModule(chat_tokenizer, prompts="tiny", chat_template=True)

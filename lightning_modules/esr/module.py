@@ -222,6 +222,7 @@ class ESRModule(CausalLMModule):
         return torch.cat(out)
 
     def _encode(self, texts, side: str):
+        """Token ids of texts as written: a chat-templated text carries its own BOS, so none is added."""
         tok = self.tokenizer()
         tok.padding_side = side
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -243,13 +244,20 @@ class ESRModule(CausalLMModule):
 
     # --- generation ------------------------------------------------------------------------------------------------
     def prompt_text(self, item: dict, latent: int | None = None) -> str:
+        """What the model reads before it answers: the prompt (and meta-prompt) as one user turn of the model's chat
+        template with its BOS and the assistant header (``data.chat_template``, the release's), or ``data.template``
+        around it as raw text (the tiny model, which has no chat template)."""
         from lightning_modules.esr.data import META_PROMPTS
         from datamodules.instruct import apply_template
 
         text = item["prompt"]
         if self.meta_prompt != "none":
             text += " " + META_PROMPTS[self.meta_prompt].format(latent_label=f"latent {latent}")
-        return apply_template(self.trainer.datamodule.template, text)
+        dm = self.trainer.datamodule
+        if getattr(dm, "chat_template", False):
+            return self.tokenizer().apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                        add_generation_prompt=True)
+        return apply_template(dm.template, text)
 
     @torch.no_grad()
     def generate(self, prompts: list[str], fn=None, max_new_tokens: int | None = None) -> list[str]:
