@@ -405,7 +405,9 @@ def chat_tokenizer(tmp_path, tiny_tokenizer):
     """The project's tokenizer with turn markers and a chat template that writes the BOS, saved and reloaded."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tiny_tokenizer.name_or_path)
+    import copy
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer.name_or_path) if tiny_tokenizer.name_or_path else copy.deepcopy(tiny_tokenizer)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tok.chat_template = CHAT
     tok.save_pretrained(tmp_path / "chat_tok")

@@ -278,7 +278,9 @@ def chat_tokenizer(tmp_path, tiny_tokenizer):
     """The project's tokenizer with ChatML turn markers and a chat template, saved and loaded back (no hub)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tiny_tokenizer.name_or_path) if tiny_tokenizer.name_or_path else tiny_tokenizer
+    import copy
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer.name_or_path) if tiny_tokenizer.name_or_path else copy.deepcopy(tiny_tokenizer)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     tok.chat_template = CHATML
     tok.save_pretrained(tmp_path / "chat_tok")
