@@ -199,9 +199,12 @@ def test_endpoint_and_local_judges_use_the_attempt_rubric(monkeypatch):
     seen = []
     monkeypatch.setattr(judge.client(), "chat", lambda text, **kw: seen.append(text) or
                         '{"attempts": [{"attempt_text": "x", "score": 10}, {"attempt_text": "y", "score": 70}]}')
-    g = judge.grade("Explain how to tie a shoe.", "reply text")
+    g = judge.grade("Explain how to tie a shoe.", "reply text", label="volcanoes")
     assert g["score"] == 10 and len(g["attempts"]) == 2
-    assert "Explain how to tie a shoe." in seen[0] and "restart" in seen[0]
+    system, user = seen[0]
+    assert system["role"] == "system" and "unrelated feature" in system["content"]
+    assert "Explain how to tie a shoe." in user["content"] and "starts over" in user["content"]
+    assert user["content"].endswith("Unrelated feature: volcanoes")
     local = HFLocalJudge(path="/nowhere", rubric="harm")
     monkeypatch.setattr(local, "reply", lambda text: "#thereason: partly.\n#thescore: 4")
     assert local.grade("p", "r")["score"] == 4                     # spard's 1-5 rubric through the same backend
@@ -439,3 +442,28 @@ def test_prompts_use_the_chat_template_with_its_bos(chat_tokenizer, tmp_path):
     chat_tokenizer.chat_template = None
     with pytest.raises(ValueError, match="the tokenizer has no chat template"):
         ESRDataModule(chat_tokenizer, prompts="tiny", chat_template=True)
+
+
+def test_attempt_judge_shows_the_label_and_reads_json_after_feedback(monkeypatch, tmp_path):
+    """The release's attempt judge: the steered latent's label shown and to be resisted, free-form feedback first,
+    the JSON in <json></json> tags (feedback braces do not confuse the parser); the module passes each row's label
+    (steer.labels_file, else the release's feature_<i>)."""
+    from types import SimpleNamespace
+
+    from lightning_modules.esr.module import ESRModule
+
+    reply = ('The answer {drifts} to volcanoes, then recovers. <json>{"attempts": [{"attempt_text": "Lava...", '
+             '"score": 20}, {"attempt_text": "Knead it.", "score": 90}]}</json>')
+    g = parse_attempts(reply)
+    assert [a["score"] for a in g["attempts"]] == [20, 90] and not g["failed"]
+    judge = EndpointJudge(endpoint={"url": "http://localhost:1/v1", "model": "judge"})
+    seen = []
+    monkeypatch.setattr(judge.client(), "chat", lambda messages, **kw: seen.append(messages) or reply)
+    (tmp_path / "labels.csv").write_text("index_in_sae,label\n3,volcanic eruptions\n4,\n")
+    module = ESRModule({"family": "llama", "config": {"num_hidden_layers": 3}}, sae={"layer": 1},
+                       steer={"layer": 1, "labels_file": str(tmp_path / "labels.csv")}, judge=judge)
+    grades = module.judged([{"prompt": "Explain how to bake bread."}] * 3, ["r1", "r2", "r3"], [3, 4, None])
+    assert [g["score"] for g in grades] == [20, 20, 20]
+    shown = [m[1]["content"].rsplit("Unrelated feature: ", 1)[1] for m in seen]
+    assert shown == ["volcanic eruptions", "feature_4", "none"]
+    assert "free-form feedback" in seen[0][1]["content"] and "<json>" in seen[0][1]["content"]

@@ -44,7 +44,7 @@ from lightning_modules.esr.threshold import bisect
 SAE_DEFAULTS = {"format": "train", "path": None, "layer": 2, "d_sae": 1024, "l1": 0.18, "steps": 800,
                 "batch_size": 256, "lr": 1e-3, "n_texts": 1024, "seed": 0}
 STEER_DEFAULTS = {"layer": 2, "mode": "add", "normalize": False, "exclude_topk": 100, "concreteness_min": None,
-                  "concreteness_file": None, "n_latents": 80, "seed": 0}
+                  "concreteness_file": None, "labels_file": None, "n_latents": 80, "seed": 0}
 THRESHOLD_DEFAULTS = {"lo": 0.0, "hi": 5.0, "grid": 10_000, "prior_mu": 1.0, "prior_sd": 0.34, "trials": 20,
                       "target": 0.3, "scale": 1.0, "query_weight": "geometric", "samples": 1, "max_new_tokens": None}
 GEN_DEFAULTS = {"max_new_tokens": 512, "temperature": 0.6, "repetition_penalty": 1.2, "trials": 10, "batch_size": 64,
@@ -91,6 +91,7 @@ class ESRModule(CausalLMModule):
         self.judge = judge
         self.hparams["judge"] = repr(judge)
         self._sae: SAE | None = None
+        self._labels: dict[int, str] | None = None
         self.sae_stats: dict[str, float] = {}
         self._base_dir = None
         self.results: dict[str, Any] = {}
@@ -298,8 +299,21 @@ class ESRModule(CausalLMModule):
             return S.compose(step, clamp)
         return for_rows
 
+    def label(self, latent: int | None) -> str | None:
+        """The latent's label (``steer.labels_file``), else the release's placeholder ``feature_<i>``."""
+        if latent is None:
+            return None
+        if self._labels is None:
+            path = self.steer.get("labels_file")
+            self._labels = S.load_labels(path) if path else {}
+        return self._labels.get(int(latent), f"feature_{int(latent)}")
+
     def judged(self, items: list[dict], responses: list[str], latents=None) -> list[dict]:
-        return [self.judge.grade(it["prompt"], r, keywords=it.get("keywords")) for it, r in zip(items, responses)]
+        """Grades of responses to ``items``; the judge is shown the steered latent's label (the release's rubric asks
+        that the unrelated feature be resisted)."""
+        latents = latents if latents is not None else [None] * len(items)
+        return [self.judge.grade(it["prompt"], r, keywords=it.get("keywords"), label=self.label(lat))
+                for it, r, lat in zip(items, responses, latents)]
 
     # --- the study -----------------------------------------------------------------------------------------------
     def on_test_epoch_start(self):  # no held-out loss: the study logs its own metrics
@@ -361,7 +375,7 @@ class ESRModule(CausalLMModule):
 
         def run(name: str, ablate=()):
             texts = self.generate(prompts, self.steering(row_latents, row_values, list(ablate)))
-            grades = self.judged(row_items, texts)
+            grades = self.judged(row_items, texts, row_latents)
             self.record(name, grades)
             return texts, grades
 
@@ -385,8 +399,8 @@ class ESRModule(CausalLMModule):
                 run("otd_ablation", detectors)
                 sets = random_sets(sae.d_sae, len(detectors), int(self.otd["random_sets"]), detectors, self.seed)
                 per = [self.record(f"random_ablation_{j}", run_grades) for j, run_grades in
-                       enumerate(self.judged(row_items, self.generate(prompts, self.steering(row_latents, row_values, s)))
-                                 for s in sets)]
+                       enumerate(self.judged(row_items, self.generate(prompts, self.steering(row_latents, row_values, s)),
+                                             row_latents) for s in sets)]
                 for key in ("multi_attempt", "esr"):
                     self._log(f"test/random_ablation/{key}", np.mean([m[key] for m in per]))
         self._log("test/threshold_mean", values.mean())
