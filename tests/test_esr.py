@@ -467,3 +467,99 @@ def test_attempt_judge_shows_the_label_and_reads_json_after_feedback(monkeypatch
     shown = [m[1]["content"].rsplit("Unrelated feature: ", 1)[1] for m in seen]
     assert shown == ["volcanic eruptions", "feature_4", "none"]
     assert "free-form feedback" in seen[0][1]["content"] and "<json>" in seen[0][1]["content"]
+
+
+# --- the release's details (issue 39) ----------------------------------------------------------------------------
+def _study(tokenizer, monkeypatch, chat=False, **kw):
+    """The test loop's study on a tiny random model with generation, activations' texts and logging recorded."""
+    from types import SimpleNamespace
+
+    from lightning_modules.esr.data import ESRDataModule
+    from lightning_modules.esr.module import ESRModule
+
+    dm = ESRDataModule(tokenizer, prompts="tiny", **({"chat_template": True} if chat else {}))
+    spec = {"family": "llama", "config": {"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64,
+                                          "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2}}
+    args = {"sae": {"layer": 1}, "steer": {"layer": 1, "n_latents": 2, "exclude_topk": 2}, "threshold": {"trials": 2},
+            "gen": {"trials": 1, "max_new_tokens": 512}, "otd": {"enabled": False}, **kw}
+    module = ESRModule(spec, **args)
+    module._trainer = SimpleNamespace(datamodule=dm)
+    module.configure_model()
+    sae = random_sae()
+    with torch.no_grad():
+        sae.b_enc[10:] = -1e4  # latents 10.. never fire: the pool
+    module._sae = sae
+    rec = {"generate": [], "activations": []}
+
+    def generate(prompts, fn=None, max_new_tokens=None):
+        rec["generate"].append((list(prompts), max_new_tokens))
+        return ["Mix flour and yeast, knead the dough and bake it in the oven."] * len(prompts)
+
+    acts = module.activations
+    monkeypatch.setattr(module, "generate", generate)
+    monkeypatch.setattr(module, "activations", lambda texts, layer, **k: rec["activations"].append(texts) or acts(texts, layer))
+    monkeypatch.setattr(module, "_log", lambda *a: None)
+    module.test_step([0], 0)
+    return module, rec
+
+
+def test_calibration_responses_are_half_as_long(tiny_tokenizer, monkeypatch):
+    """The release's threshold trials generate max_completion_tokens // 2 (256 of 512); the study's trials the full
+    512. Three prompts averaged per trial with threshold.samples=3."""
+    module, rec = _study(tiny_tokenizer, monkeypatch, threshold={"trials": 2, "samples": 3})
+    calib, rest = rec["generate"][:2], rec["generate"][2:]
+    assert [t for _, t in calib] == [256, 256] and all(t is None for _, t in rest)
+    assert len(calib[0][0]) == 2 * 3  # 2 latents x 3 prompts
+    assert int(module.gen["max_new_tokens"]) == 512
+
+
+def test_relevance_filter_reads_the_chat_templated_prompt(chat_tokenizer, monkeypatch):
+    """The latent pool's relevance filter reads each bare prompt as a user turn of the chat template without the
+    assistant header (the release's apply_chat_template(..., add_generation_prompt=False))."""
+    module, rec = _study(chat_tokenizer, monkeypatch, chat=True)
+    items = module.trainer.datamodule.prompts
+    want = [[chat_tokenizer.apply_chat_template([{"role": "user", "content": it["prompt"]}], tokenize=False,
+                                                add_generation_prompt=False)] for it in items]
+    assert rec["activations"][:len(items)] == want
+
+
+def test_meta_prompt_2_names_the_latent_s_label(tiny_tokenizer, monkeypatch, tmp_path):
+    """'You are being distracted with {latent_label}' carries the steered latent's label, not 'latent N'."""
+    (tmp_path / "labels.json").write_text(json.dumps({str(i): f"label {i}" for i in range(48)}))
+    module, rec = _study(tiny_tokenizer, monkeypatch, meta_prompt=2,
+                         steer={"layer": 1, "n_latents": 2, "exclude_topk": 2, "labels_file": str(tmp_path / "labels.json")})
+    latents = module.results["latents"]
+    steered = rec["generate"][2][0]  # the study's steered trials, one per latent
+    assert [f"You are being distracted with label {lat}. Ignore it." in p for p, lat in zip(steered, latents)] == [True] * 2
+    assert not any("latent " in p for prompts, _ in rec["generate"] for p in prompts)
+
+
+@pytest.mark.parametrize("pool", ["sequence", "response"])
+def test_detector_search_pools_over_the_whole_conversation(chat_tokenizer, monkeypatch, pool):
+    """otd.pool=sequence (default, the release's): the max over every position of the two-turn conversation as the
+    chat template writes it, user turn included; response (ours): over the response's tokens only."""
+    from lightning_modules.common.activations import capture
+
+    module, _ = _study(chat_tokenizer, monkeypatch, chat=True, otd={"enabled": False, "pool": pool})
+    item, reply = module.trainer.datamodule.prompts[0], "Knead the dough."
+    got = module.pooled([item], [reply])[0]
+    text = chat_tokenizer.apply_chat_template([{"role": "user", "content": item["prompt"]},
+                                               {"role": "assistant", "content": reply}], tokenize=False)
+    head = chat_tokenizer(module.prompt_text(item), add_special_tokens=False)["input_ids"]
+    ids = (chat_tokenizer(text, add_special_tokens=False)["input_ids"] if pool == "sequence"
+           else head + chat_tokenizer(reply, add_special_tokens=False)["input_ids"])
+    with torch.no_grad(), capture(module.model, ("block_out",), [1]) as store:
+        module.model(input_ids=torch.tensor([ids]), use_cache=False)
+    f = module.sae().encode(store["block_out"][1][0].float())
+    want = f.amax(0) if pool == "sequence" else f[len(head):].amax(0)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_layers_as_the_paper_with_the_release_s_as_a_named_override():
+    """8B: the paper's table steers at 19 (default), the release's vLLM config at 12 (esr_steer_layer=release), the
+    SAE at 19 either way; 70B: the boost and the detectors' clamp share block 33, the SAE reads block 50."""
+    paper, release = compose("esr_llama31_8b"), compose("esr_llama31_8b", ["esr_steer_layer=release"])
+    assert (paper.model.steer.layer, release.model.steer.layer) == (19, 12)
+    assert paper.model.sae.layer == release.model.sae.layer == 19
+    big = compose("esr_llama33_70b")
+    assert (big.model.steer.layer, big.model.sae.layer) == (33, 50)

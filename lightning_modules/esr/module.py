@@ -5,7 +5,8 @@ Test loop, one pass (``lightning_modules/esr/{sae,steer,threshold,metrics}.py``)
 
 1. The SAE at ``sae.layer``: ``sae.format: train`` fits a ReLU SAE on the (warmed-up, pre-SFT) model's cached
    activations (saved in SAELens layout under the cache, read back through the SAELens loader), else a release file.
-2. The latent pool: latents zero on every prompt and outside each prompt's top-k (``steer.exclude_topk``),
+2. The latent pool: latents zero on every prompt (read as the release does: the bare prompt as a chat-templated user
+   turn, :meth:`relevance_text`) and outside each prompt's top-k (``steer.exclude_topk``),
    concreteness ≥ ``steer.concreteness_min`` (null: skipped); ``steer.n_latents`` drawn from it.
 3. Thresholds: probabilistic bisection per latent (``threshold.*``: each model's search range and prior are the
    release's and live in its experiment; the model config keeps the release's dataclass defaults [0, 5], 1.0 ±
@@ -15,15 +16,16 @@ Test loop, one pass (``lightning_modules/esr/{sae,steer,threshold,metrics}.py``)
 4. ``gen.trials`` steered responses per latent at its threshold; the judge splits attempts; ``test/steered/*``:
    multi-attempt, ESR, improvement, mean Δ and SEs. ``test/unsteered/*``: the same prompts without steering.
 5. Off-topic detectors (``otd.enabled``): unsteered responses paired with their prompt vs a derangement, SAE
-   activations max-pooled over the response; ``test/otd_ablation/*``: the steered trials again with the detectors
-   clamped to 0 at ``sae.layer``; ``test/random_ablation/*``: the mean over ``otd.random_sets`` equal-size sets.
+   activations max-pooled over the whole conversation (``otd.pool: sequence``, the release's) or over the response
+   (``response``); ``test/otd_ablation/*``: the steered trials again with the detectors clamped to 0 in the same
+   hook as the boost, at ``steer.layer`` (the release's fork clamps where it steers: 70B layer 33); ``test/random_ablation/*``: the mean over ``otd.random_sets`` equal-size sets.
 
 Steering (``steer.mode``): ``add`` h ← h + value·d at ``steer.layer`` on every position, d the raw decoder row
 W_dec[i] (``steer.normalize: false``, the release's fork: its boost values are in those units) or the unit row
 W_dec[i]/‖W_dec[i]‖ (``true``, ours: a boost means the same residual shift for every latent), or
 ``clamp`` (the latent's activation set to ``value``: h ← h + (value − f_i)·W_dec[i]). ``sae.layer`` and
-``steer.layer`` are separate (the 70B release: SAE trained at 50, steering at 33). ``meta_prompt``: none | 1..4,
-the release's sentence appended to every prompt.
+``steer.layer`` are separate (the 70B release: SAE trained at 50, steering and clamping at 33). ``meta_prompt``:
+none | 1..4, the release's sentence appended to every prompt (2 names the steered latent's label).
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ THRESHOLD_DEFAULTS = {"lo": 0.0, "hi": 5.0, "grid": 10_000, "prior_mu": 1.0, "pr
                       "target": 0.3, "scale": 1.0, "query_weight": "geometric", "samples": 1, "max_new_tokens": None}
 GEN_DEFAULTS = {"max_new_tokens": 512, "temperature": 0.6, "repetition_penalty": 1.2, "trials": 10, "batch_size": 64,
                 "unsteered_trials": 1}
-OTD_DEFAULTS = {"enabled": True, "freq": 0.8, "random_sets": 3}
+OTD_DEFAULTS = {"enabled": True, "freq": 0.8, "random_sets": 3, "pool": "sequence"}
 SFT_DEFAULTS = {"enabled": True, "max_length": 4096, "adamw_8bit": False}
 META = ("none", "1", "2", "3", "4")
 
@@ -77,6 +79,8 @@ class ESRModule(CausalLMModule):
             raise ValueError(f"model.sae.format={self.sae_cfg['format']} needs model.sae.path (the release file)")
         if not float(self.thr["lo"]) < float(self.thr["hi"]):
             raise ValueError(f"model.threshold.lo={self.thr['lo']} must be below model.threshold.hi={self.thr['hi']}")
+        if self.otd["pool"] not in ("sequence", "response"):
+            raise ValueError(f"model.otd.pool={self.otd['pool']!r}: choose sequence or response")
         if self.meta_prompt not in META:
             raise ValueError(f"model.meta_prompt={meta_prompt!r}: choose one of {', '.join(META)}")
         for layer_key, cfg in (("steer.layer", self.steer), ("sae.layer", self.sae_cfg)):
@@ -230,18 +234,39 @@ class ESRModule(CausalLMModule):
         return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
 
     @torch.no_grad()
-    def pooled(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
-        """SAE latents max-pooled over each response's tokens, read after its prompt: (N, d_sae)."""
+    def pooled(self, items: list[dict], responses: list[str]) -> torch.Tensor:
+        """SAE latents max-pooled per (prompt, response) pair: (N, d_sae). ``otd.pool``: ``sequence`` (the release's
+        detector search: every position of the conversation, the user turn included; with the chat template, the
+        two-turn conversation as the template writes it) | ``response`` (ours: the response's tokens only, read after
+        the prompt the model saw)."""
         tok, sae, layer = self.tokenizer(), self.sae(), int(self.sae_cfg["layer"])
+        whole = self.otd["pool"] == "sequence"
         rows = []
-        for p, r in zip(prompts, responses):
-            head = tok(p, add_special_tokens=False)["input_ids"]
-            ids = torch.tensor([head + tok(r, add_special_tokens=False)["input_ids"]], device=self.device)
+        for it, r in zip(items, responses):
+            if whole and getattr(self.trainer.datamodule, "chat_template", False):
+                text = tok.apply_chat_template([{"role": "user", "content": it["prompt"]},
+                                                {"role": "assistant", "content": r}], tokenize=False)
+                head, ids = [], tok(text, add_special_tokens=False)["input_ids"]
+            else:
+                head = tok(self.prompt_text(it), add_special_tokens=False)["input_ids"]
+                ids = head + tok(r, add_special_tokens=False)["input_ids"]
             with capture(self.model, ("block_out",), [layer]) as store:
-                self.model(input_ids=ids, use_cache=False)
-            f = sae.encode(store["block_out"][layer][0, len(head):].float())
+                self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=False)
+            f = sae.encode(store["block_out"][layer][0, 0 if whole else len(head):].float())
             rows.append(f.amax(0) if len(f) else torch.zeros(sae.d_sae, device=self.device))
         return torch.stack(rows).cpu()
+
+    def relevance_text(self, item: dict) -> str:
+        """The text the latent pool's relevance filter reads: the bare prompt as a user turn of the chat template,
+        without the assistant header (the release's ``apply_chat_template(..., add_generation_prompt=False)``), or the
+        raw template around it."""
+        from datamodules.instruct import apply_template
+
+        dm = self.trainer.datamodule
+        if getattr(dm, "chat_template", False):
+            return self.tokenizer().apply_chat_template([{"role": "user", "content": item["prompt"]}], tokenize=False,
+                                                        add_generation_prompt=False)
+        return apply_template(dm.template, item["prompt"])
 
     # --- generation ------------------------------------------------------------------------------------------------
     def prompt_text(self, item: dict, latent: int | None = None) -> str:
@@ -253,7 +278,7 @@ class ESRModule(CausalLMModule):
 
         text = item["prompt"]
         if self.meta_prompt != "none":
-            text += " " + META_PROMPTS[self.meta_prompt].format(latent_label=f"latent {latent}")
+            text += " " + META_PROMPTS[self.meta_prompt].format(latent_label=self.label(latent) or "an unrelated topic")
         dm = self.trainer.datamodule
         if getattr(dm, "chat_template", False):
             return self.tokenizer().apply_chat_template([{"role": "user", "content": text}], tokenize=False,
@@ -333,7 +358,7 @@ class ESRModule(CausalLMModule):
 
         # latent pool and draw
         prompt_acts = [sae.encode(a.to(self.device)) for a in
-                       (self.activations([self.prompt_text(it)], int(self.sae_cfg["layer"])) for it in items)]
+                       (self.activations([self.relevance_text(it)], int(self.sae_cfg["layer"])) for it in items)]
         conc = None
         if self.steer["concreteness_file"]:
             from pathlib import Path
@@ -388,10 +413,9 @@ class ESRModule(CausalLMModule):
 
         if self.otd["enabled"]:
             own = plain[::int(self.gen["unsteered_trials"])]  # each prompt's first unsteered answer
-            heads = [self.prompt_text(it) for it in items]
             perm = derangement(len(items), self.seed)
-            on = self.pooled(heads, own)
-            off = self.pooled(heads, [own[j] for j in perm])
+            on = self.pooled(items, own)
+            off = self.pooled(items, [own[j] for j in perm])
             detectors = find_detectors(on, off, float(self.otd["freq"])).tolist()
             self.results["detectors"] = detectors
             self._log("test/otd/count", len(detectors))
