@@ -246,3 +246,33 @@ def test_max_abs_cosine():
 
     assert max_abs_cosine(torch.eye(3)) == pytest.approx(0.0)
     assert max_abs_cosine(torch.tensor([[1.0, 0.0], [-1.0, 0.2], [0.0, 1.0]])) == pytest.approx(1 / math.sqrt(1.04))
+
+
+# --- the release's online procedure (issue 39) -----------------------------------------------------------------------
+def _module(tokenizer, **kw):
+    """A tiny random Llama as SubspacePathModule with a random offline state (probes, importance), K = 3 domains."""
+    from lightning_modules.subspace_path.method import Probes
+    from lightning_modules.subspace_path.module import SubspacePathModule
+
+    spec = {"family": "llama", "config": {"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64,
+                                          "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2}}
+    torch.manual_seed(0)
+    module = SubspacePathModule(spec, **kw)
+    module.configure_model()
+    g = torch.Generator().manual_seed(1)
+    probes = Probes(torch.randn(3, 3, 32, generator=g, dtype=torch.float64), torch.zeros(3, 3, dtype=torch.float64))
+    module.state = {"probes": {"single": probes}, "importance": torch.rand(3, 4, 3, generator=g, dtype=torch.float64),
+                    "whitelist": None, "domains": ["a", "b", "c"]}
+    return module
+
+
+def test_routing_reads_the_prompt_never_the_answer(tiny_tokenizer):
+    """The mask is compiled from the first prompt alone (the release's session description): a different gold
+    answer leaves the probe outputs and the mask unchanged."""
+    module = _module(tiny_tokenizer)
+    turns = [{"prompt": "How do sockets bind a port on the server?", "answer": "bind listen accept"}]
+    other = [{"prompt": turns[0]["prompt"], "answer": "Matrices multiply rows by columns; floating point rounding."}]
+    p1 = module.scenario_probs(tiny_tokenizer, {"turns": turns})
+    p2 = module.scenario_probs(tiny_tokenizer, {"turns": other})
+    assert torch.equal(p1, p2)
+    assert torch.equal(module.compile(p1)[0], module.compile(p2)[0])

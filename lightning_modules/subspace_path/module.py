@@ -16,7 +16,8 @@ Offline (first test step, base frozen; ``fit_offline``):
 - whitelist: high mean / low across-domain variance of I (quantiles 0.8 / 0.2) confirmed by one-way ANOVA p > 0.05
   (``whitelist.test: anova | none``; the release names no test).
 
-Online, per scenario (``test_step``): the first turn, stop-words removed, through one forward → sigmoid probe outputs
+Online, per scenario (``test_step``): the first turn's prompt (never its answer), stop-words removed, through one
+forward → sigmoid probe outputs
 p (L, K) → ``method.compile_mask`` with eta = ``pruning_strength`` (or ``budget.target_prune``: eta bisected to that
 pruned fraction) → one mask for every later turn, run by ``execution``: ``mask`` (``attention.head_mask``) |
 ``slice`` (``attention.prune_heads``; GQA masks widened to whole KV groups first). Per later turn: the answer's NLL
@@ -250,8 +251,10 @@ class SubspacePathModule(CausalLMModule):
 
     @torch.no_grad()
     def scenario_probs(self, tok, scenario: Mapping) -> torch.Tensor:
+        """Sigmoid probe outputs (L, K) for the scenario's routing text: its first prompt, stop-words removed (the
+        release's session description). The gold answer is never read: routing on it would leak the answer."""
         first = scenario["turns"][0]
-        text = strip_stop_words(first["prompt"] + " " + first.get("answer", "")) or first["prompt"]
+        text = strip_stop_words(first["prompt"]) or first["prompt"]
         regime = REGIMES.get(scenario.get("split"), "single") if self.calib_cfg["enabled"] else "single"
         return self.state["probes"][regime].probs(self.pooled(tok, text)).float()
 
