@@ -103,7 +103,8 @@ def test_probes_recover_planted_domain_shifts():
     dirs = torch.nn.functional.normalize(torch.randn(L, K, d, generator=g, dtype=torch.float64), dim=-1)
     labels = torch.arange(N) % K
     x = torch.randn(N, L, d, generator=g, dtype=torch.float64) + 2.0 * dirs[:, labels].transpose(0, 1) + 5.0
-    probes = train_probes(x, torch.nn.functional.one_hot(labels, K).double(), epochs=60, lr=0.05)
+    probes = train_probes(x, torch.nn.functional.one_hot(labels, K).double(), epochs=60, lr=0.05, batch_size=64,
+                          features="standardised")  # ours: conditioned; the release's raw default is tested below
     for l in range(L):
         for k in range(K):   # one-vs-rest: the planted contrast mu_k - mu_rest (isotropic noise)
             contrast = x[labels == k, l].mean(0) - x[labels != k, l].mean(0)
@@ -379,3 +380,20 @@ def test_release_union_is_the_release_s_budget():
     flat = torch.full((8, 6), 0.5)
     I = torch.rand(8, 16, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     assert compile_mask(flat, I, None, eta=0.5)[1]["pruned_fraction"] < 0.2   # broad scenario, broad budget (was 0.75)
+
+
+def test_probe_training_is_the_release_s():
+    """Defaults as released: Adam lr 1e-3, batch 32, raw features. From zero weights one full-batch Adam step moves
+    each weight by lr against the sign of its gradient on the raw activations (BCE at logit 0: sum_n (1/2 - y) x);
+    standardised features (ours, a switch) would move it by lr / sd instead."""
+    g = torch.Generator().manual_seed(0)
+    N, L, d, K = 32, 2, 5, 3
+    x = torch.randn(N, L, d, generator=g, dtype=torch.float64) * torch.tensor([1.0, 10.0, 0.1, 3.0, 0.5]) + 2.0
+    y = torch.nn.functional.one_hot(torch.arange(N) % K, K).double()
+    grad = torch.einsum("nk,nld->lkd", 0.5 - y, x)
+    probes = train_probes(x, y, epochs=1)
+    torch.testing.assert_close(probes.weight, -1e-3 * grad.sign(), rtol=1e-6, atol=1e-9)
+    z = train_probes(x, y, epochs=1, features="standardised")
+    assert not torch.allclose(z.weight, probes.weight)
+    cfg = compose("subspace_path_tiny").model.probe
+    assert (cfg.lr, cfg.batch_size, cfg.features, cfg.epochs) == (1e-3, 32, "raw", 20)

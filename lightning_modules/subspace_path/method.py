@@ -2,9 +2,9 @@
 
 - :func:`quasi_orthogonal` picks K candidate domains whose embedding centroids are nearly orthogonal (the paper's
   DBS, not released: greedy, minimising the largest |cos|).
-- :func:`train_probes`: per layer and domain a one-vs-rest logistic probe (BCE, Adam, full batches of cached pooled
-  activations); features standardised per layer for conditioning and folded back, so ``weight`` acts on raw
-  activations. :func:`fit_temperatures`: per-layer temperatures (the optional calibration).
+- :func:`train_probes`: per layer and domain a one-vs-rest logistic probe (BCE, Adam, mini-batches of cached pooled
+  activations): raw features at lr 1e-3, batch 32 (the release's) or standardised per layer and folded back (ours);
+  ``weight`` acts on raw activations either way. :func:`fit_temperatures`: per-layer temperatures (the optional calibration).
 - :func:`importance_terms`: (uᵀw̃)² / (‖w̃‖² + ε) per head and axis, I = its mean over a domain's pool.
 - :func:`whitelist`: high mean, low across-domain variance of I, confirmed by one-way ANOVA (p > alpha).
 - :func:`breadth`, :func:`compile_mask` (the online ScenarioCompiler: probe probabilities → head mask): the
@@ -91,15 +91,27 @@ class Probes:
         return F.normalize(self.weight, dim=-1)
 
 
-def train_probes(x: torch.Tensor, y: torch.Tensor, epochs: int = 20, lr: float = 1e-2, batch_size: int = 64,
-                 weight_decay: float = 0.0, seed: int = 0) -> Probes:
-    """One-vs-rest logistic probes for every layer at once: x (N, L, d) pooled activations, y (N, K) 0/1 labels."""
+PROBE_FEATURES = ("raw", "standardised")
+
+
+def train_probes(x: torch.Tensor, y: torch.Tensor, epochs: int = 20, lr: float = 1e-3, batch_size: int = 32,
+                 weight_decay: float = 0.0, seed: int = 0, features: str = "raw") -> Probes:
+    """One-vs-rest logistic probes for every layer at once: x (N, L, d) pooled activations, y (N, K) 0/1 labels;
+    BCE, Adam at ``lr`` on shuffled mini-batches of ``batch_size``. ``features``: ``raw`` (the release's: Adam
+    1e-3, batch 32 on the activations as they are) | ``standardised`` (ours: per-layer z-scores, folded back into the
+    weights after training, which conditions residual streams whose coordinates differ by orders of magnitude)."""
+    if features not in PROBE_FEATURES:
+        raise ValueError(f"probe.features={features!r}: choose one of {', '.join(PROBE_FEATURES)}")
     with torch.inference_mode(False), torch.enable_grad():   # Lightning's test loop runs in inference mode
-        return _train_probes(x.double().clone(), y.double().clone(), epochs, lr, batch_size, weight_decay, seed)
+        return _train_probes(x.double().clone(), y.double().clone(), epochs, lr, batch_size, weight_decay, seed,
+                             features == "standardised")
 
 
-def _train_probes(x, y, epochs, lr, batch_size, weight_decay, seed) -> Probes:
-    mu, sd = x.mean(0), x.std(0).clamp_min(1e-6)
+def _train_probes(x, y, epochs, lr, batch_size, weight_decay, seed, standardise) -> Probes:
+    if standardise:
+        mu, sd = x.mean(0), x.std(0).clamp_min(1e-6)
+    else:
+        mu, sd = torch.zeros_like(x[0]), torch.ones_like(x[0])
     z = (x - mu) / sd
     N, L, d = x.shape
     K = y.shape[1]

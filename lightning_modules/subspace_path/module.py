@@ -46,7 +46,7 @@ from lightning_modules.subspace_path.method import (BUDGET_MODES, Probes, bisect
 
 BASES = ("onehot", "quasi_orthogonal")
 EXECUTIONS = ("mask", "slice")
-PROBE = dict(epochs=20, lr=1e-2, batch_size=64, max_tokens=256)
+PROBE = dict(epochs=20, lr=1e-3, batch_size=32, max_tokens=256, features="raw")
 CALIB = dict(enabled=False)
 IMPORTANCE = dict(mode="single", pool="mean_write", eps=1e-6)
 WHITELIST = dict(mean_quantile=0.8, var_quantile=0.2, test="anova", alpha=0.05)
@@ -70,7 +70,8 @@ class SubspacePathModule(CausalLMModule):
     Args:
         backbone: backbone spec.
         basis: onehot | quasi_orthogonal; n_domains: K for quasi_orthogonal (null = all the data's domains).
-        probe: epochs, lr, batch_size, max_tokens (each text cut to this many tokens).
+        probe: epochs, lr, batch_size (the release's 20, 1e-3, 32), max_tokens (each text cut to this many tokens),
+            features (raw, the release's | standardised, ours).
         calib: enabled (per-regime per-layer temperatures).
         importance: mode (single | multi), pool (mean_write | per_token), eps.
         whitelist: mean_quantile, var_quantile, test (anova | none), alpha.
@@ -193,7 +194,8 @@ class SubspacePathModule(CausalLMModule):
         dm.selected = selected
         train, val = dm.pools("train", selected), dm.pools("val", selected)
         pc = self.probe_cfg
-        fit = lambda x, y: train_probes(x, y, pc["epochs"], pc["lr"], pc["batch_size"])  # noqa: E731
+        fit = lambda x, y: train_probes(x, y, pc["epochs"], pc["lr"], pc["batch_size"],  # noqa: E731
+                                        features=pc["features"])
         x, y = self._features(tok, train, selected)
         probes = {"single": fit(x, y)}
         xv, yv = self._features(tok, val, selected)
