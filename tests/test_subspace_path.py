@@ -397,3 +397,21 @@ def test_probe_training_is_the_release_s():
     assert not torch.allclose(z.weight, probes.weight)
     cfg = compose("subspace_path_tiny").model.probe
     assert (cfg.lr, cfg.batch_size, cfg.features, cfg.epochs) == (1e-3, 32, "raw", 20)
+
+
+def test_probe_site_post_attn_by_default_release_attn_out_as_switch(tiny_tokenizer):
+    """probe.site=post_attn (the spec's, default) pools h + attn(h); attn_out (the release's hook in effect) pools
+    attn(h) alone: the two differ by the pooled block input."""
+    from lightning_modules.common.activations import capture
+
+    text = "sockets bind a port and accept connections"
+    feats = {site: _module(tiny_tokenizer, probe={"site": site}).pooled(tiny_tokenizer, text)
+             for site in ("post_attn", "attn_out")}
+    module = _module(tiny_tokenizer)
+    ids = module._ids(tiny_tokenizer, text)
+    with torch.no_grad(), capture(module.model, ("embed", "block_out")) as acts:
+        module.model(input_ids=ids, use_cache=False)
+    block_in = [acts["embed"][0]] + [acts["block_out"][l] for l in range(2)]
+    for l in range(3):
+        torch.testing.assert_close(feats["post_attn"][l] - feats["attn_out"][l], block_in[l][0].double().mean(0).cpu())
+    assert compose("subspace_path_tiny").model.probe.site == "post_attn"

@@ -6,7 +6,9 @@ Offline (first test step, base frozen; ``fit_offline``):
   unreleased DBS: ``n_domains`` of the data's candidate domains whose embedding centroids, ``common.embedding``
   mean-pooled last hidden states of the same model, have the smallest largest |cos|, chosen greedily);
 - probes: per layer ℓ and domain k a one-vs-rest logistic on the mean-pooled post-attention residual
-  (``activations.capture`` site ``post_attn``), BCE, ``probe.epochs`` (20, the release) on cached activations;
+  (``probe.site: post_attn``, the spec's, kept as default: the release's hook means to read it but gets the
+  attention output alone, ``attn_out``, available as the switch), BCE, ``probe.epochs`` (20), Adam lr 1e-3, batch
+  32, raw features (``probe.features``), as released, on cached activations;
   ``calib.enabled``: per-regime (single / ood / cross) per-layer temperatures fitted on val pools, the scenario's
   split choosing the regime ([INF]: the release's "4-probe system" is not described further);
 - importance I_{ℓ,h,k} = E_{x∈P_k}[(u_kᵀw̃)² / (‖w̃‖² + ε)], w̃ = head h's write (site ``head_write``), u_k the unit
@@ -46,7 +48,8 @@ from lightning_modules.subspace_path.method import (BUDGET_MODES, Probes, bisect
 
 BASES = ("onehot", "quasi_orthogonal")
 EXECUTIONS = ("mask", "slice")
-PROBE = dict(epochs=20, lr=1e-3, batch_size=32, max_tokens=256, features="raw")
+PROBE = dict(epochs=20, lr=1e-3, batch_size=32, max_tokens=256, features="raw", site="post_attn")
+PROBE_SITES = ("post_attn", "attn_out")
 CALIB = dict(enabled=False)
 IMPORTANCE = dict(mode="single", pool="mean_write", eps=1e-6)
 WHITELIST = dict(mean_quantile=0.8, var_quantile=0.2, test="anova", alpha=0.05)
@@ -110,6 +113,8 @@ class SubspacePathModule(CausalLMModule):
         tp = self.budget["target_prune"]
         if tp is not None and not 0 <= float(tp) < 1:
             raise ValueError(f"model.budget.target_prune={tp}: use a pruned fraction in [0, 1) or null")
+        if self.probe_cfg["site"] not in PROBE_SITES:
+            raise ValueError(f"model.probe.site={self.probe_cfg['site']!r}: choose one of {', '.join(PROBE_SITES)}")
         if self.imp_cfg["mode"] not in ("single", "multi"):
             raise ValueError(f"model.importance.mode={self.imp_cfg['mode']!r}: choose single or multi")
         if self.imp_cfg["pool"] not in ("mean_write", "per_token"):
@@ -129,14 +134,17 @@ class SubspacePathModule(CausalLMModule):
 
     @torch.no_grad()
     def pooled(self, tok, text: str, writes_axes: torch.Tensor | None = None):
-        """Mean-pooled post-attention residuals (L, d); with ``writes_axes`` (L, K, d) also the per-head importance
-        terms (L, H, K) of this text (pooled per ``importance.pool``)."""
+        """Mean-pooled probe features (L, d) at ``probe.site``: ``post_attn`` (the spec's and ours: the residual
+        stream after the attention sub-block, h + attn(h)) | ``attn_out`` (what the release's probes read: its
+        pre-hook receives no keyword arguments, so it silently takes the attention output alone); with
+        ``writes_axes`` (L, K, d) also the per-head importance terms (L, H, K) of this text (``importance.pool``)."""
         ids = self._ids(tok, text)
-        sites = ("post_attn", "head_write") if writes_axes is not None else ("post_attn",)
+        site = self.probe_cfg["site"]
+        sites = (site, "head_write") if writes_axes is not None else (site,)
         with capture(self.model, sites) as acts:
             self.model(input_ids=ids, use_cache=False)
-        L = len(acts["post_attn"])
-        feats = torch.stack([acts["post_attn"][l][0].double().mean(0) for l in range(L)]).cpu()
+        L = len(acts[site])
+        feats = torch.stack([acts[site][l][0].double().mean(0) for l in range(L)]).cpu()
         if writes_axes is None:
             return feats
         terms = []
