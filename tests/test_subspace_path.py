@@ -237,20 +237,23 @@ def test_max_abs_cosine():
 
 
 # --- the release's online procedure (issue 39) -----------------------------------------------------------------------
-def _module(tokenizer, **kw):
+def _module(tokenizer, layers=3, heads=4, **kw):
     """A tiny random Llama as SubspacePathModule with a random offline state (probes, importance), K = 3 domains."""
     from lightning_modules.subspace_path.method import Probes
     from lightning_modules.subspace_path.module import SubspacePathModule
 
-    spec = {"family": "llama", "config": {"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64,
-                                          "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2}}
+    d = 8 * heads
+    spec = {"family": "llama", "config": {"vocab_size": len(tokenizer), "hidden_size": d, "intermediate_size": 64,
+                                          "num_hidden_layers": layers, "num_attention_heads": heads,
+                                          "num_key_value_heads": heads // 2}}
     torch.manual_seed(0)
     module = SubspacePathModule(spec, **kw)
     module.configure_model()
     g = torch.Generator().manual_seed(1)
-    probes = Probes(torch.randn(3, 3, 32, generator=g, dtype=torch.float64), torch.zeros(3, 3, dtype=torch.float64))
-    module.state = {"probes": {"single": probes}, "importance": torch.rand(3, 4, 3, generator=g, dtype=torch.float64),
-                    "whitelist": None, "domains": ["a", "b", "c"]}
+    probes = Probes(torch.randn(layers, 3, d, generator=g, dtype=torch.float64),
+                    torch.zeros(layers, 3, dtype=torch.float64))
+    module.state = {"probes": {"single": probes}, "whitelist": None, "domains": ["a", "b", "c"],
+                    "importance": torch.rand(layers, heads, 3, generator=g, dtype=torch.float64)}
     return module
 
 
@@ -415,3 +418,23 @@ def test_probe_site_post_attn_by_default_release_attn_out_as_switch(tiny_tokeniz
     for l in range(3):
         torch.testing.assert_close(feats["post_attn"][l] - feats["attn_out"][l], block_in[l][0].double().mean(0).cpu())
     assert compose("subspace_path_tiny").model.probe.site == "post_attn"
+
+
+def test_the_run_is_calibrated_to_the_paper_s_pruning(tiny_tokenizer):
+    """budget.target_prune with target_scope=run (the paper-scale configs: 0.3): one eta bisected before the first
+    scenario so that the run's mean pruned fraction is the target; each scenario keeps its own breadth-dependent
+    budget at that eta (the fractions differ), unlike eta = 0.5, which pins no fraction."""
+    from types import SimpleNamespace
+
+    module = _module(tiny_tokenizer, layers=4, heads=8, budget={"target_prune": 0.3})
+    words = ["sockets bind ports", "matrix rounding floats", "strings split join", "threads lock queues",
+             "files open paths", "sockets and threads", "floats in strings files", "lock ports paths"]
+    scenarios = [{"turns": [{"prompt": w + " " + v, "answer": "x"}]} for w in words for v in ("now", "later please")]
+    dm = SimpleNamespace(tokenizer=tiny_tokenizer, scenario=lambda i: scenarios[i], n_total=lambda: len(scenarios))
+    eta = module.calibrate_eta(dm)
+    fr = [module.compile(module.scenario_probs(tiny_tokenizer, s))[1]["pruned_fraction"] for s in scenarios]
+    assert module.eta == eta and abs(sum(fr) / len(fr) - 0.3) <= 1 / 32
+    assert len(set(fr)) > 1
+    for name in ("subspace_path_llama2_13b", "subspace_path_qwen25_14b"):
+        b = compose(name).model.budget
+        assert (b.target_prune, b.target_scope) == (0.3, "run")

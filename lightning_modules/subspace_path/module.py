@@ -20,8 +20,9 @@ Offline (first test step, base frozen; ``fit_offline``):
 
 Online, per scenario (``test_step``): the first turn's prompt (never its answer), stop-words removed, through one
 forward → sigmoid probe outputs
-p (L, K) → ``method.compile_mask`` with eta = ``pruning_strength`` (or ``budget.target_prune``: eta bisected to that
-pruned fraction) → one mask for every later turn, run by ``execution``: ``mask`` (``attention.head_mask``) |
+p (L, K) → ``method.compile_mask`` with eta = ``pruning_strength``, or with ``budget.target_prune`` (the paper-scale
+runs: 0.3, the paper's operating point) one eta bisected before the first scenario so that the run's mean pruned
+fraction is the target (``target_scope: run``; ``scenario``: each scenario bisected to it, a matched comparison) → one mask for every later turn, run by ``execution``: ``mask`` (``attention.head_mask``) |
 ``slice`` (``attention.prune_heads``; GQA masks widened to whole KV groups first). Per later turn: the answer's NLL
 given the conversation so far and the turn's prompt (dense and pruned), and keyword Recall of a greedy continuation.
 
@@ -54,7 +55,8 @@ CALIB = dict(enabled=False)
 IMPORTANCE = dict(mode="single", pool="mean_write", eps=1e-6)
 WHITELIST = dict(mean_quantile=0.8, var_quantile=0.2, test="anova", alpha=0.05)
 BUDGET = dict(mode="release_union", rho_min=0.1, floor_layer=0.1, floor_global=0.05, sim_min=0.1, sharpen=1.5,
-              fallback_s=0.3, target_prune=None)
+              fallback_s=0.3, target_prune=None, target_scope="run")
+TARGET_SCOPES = ("run", "scenario")
 EVAL = dict(max_new_tokens=16, max_context_tokens=512)
 REGIMES = {"selected": "single", "out_of_domain": "ood", "cross_domain": "cross"}
 
@@ -79,7 +81,8 @@ class SubspacePathModule(CausalLMModule):
         importance: mode (single | multi), pool (mean_write | per_token), eps.
         whitelist: mean_quantile, var_quantile, test (anova | none), alpha.
         budget: mode (release_union | paper_sum), rho_min, floor_layer, floor_global, sim_min, sharpen, fallback_s,
-            target_prune (null, or a pruned fraction in [0, 1): eta bisected per scenario).
+            target_prune (null, or a pruned fraction in [0, 1)), target_scope (run: one eta for the run's mean |
+            scenario: eta bisected per scenario).
         pruning_strength: eta (>= 0); the release's keep ratio grows with it.
         execution: mask | slice.
         eval: max_new_tokens (greedy continuation per later turn), max_context_tokens.
@@ -110,6 +113,9 @@ class SubspacePathModule(CausalLMModule):
         for key in ("floor_layer", "floor_global", "rho_min", "sim_min"):
             if not 0 <= float(self.budget[key]) <= 1:
                 raise ValueError(f"model.budget.{key}={self.budget[key]}: use a fraction in [0, 1]")
+        if self.budget["target_scope"] not in TARGET_SCOPES:
+            raise ValueError(f"model.budget.target_scope={self.budget['target_scope']!r}: choose one of "
+                             f"{', '.join(TARGET_SCOPES)}")
         tp = self.budget["target_prune"]
         if tp is not None and not 0 <= float(tp) < 1:
             raise ValueError(f"model.budget.target_prune={tp}: use a pruned fraction in [0, 1) or null")
@@ -237,7 +243,9 @@ class SubspacePathModule(CausalLMModule):
         return attn.k_proj.out_features // attn.head_dim
 
     def compile(self, probs: torch.Tensor, eta: float | None = None, target_prune: float | None = None):
-        """Probe probabilities (L, K) → (mask (L, H) bool, info); ``execution: slice`` widens it to KV groups."""
+        """Probe probabilities (L, K) → (mask (L, H) bool, info); ``execution: slice`` widens it to KV groups. At
+        ``eta`` (default: ``pruning_strength``, or the run's calibrated eta), or, given ``target_prune`` (or with
+        ``budget.target_scope: scenario``), at this scenario's eta bisected to that pruned fraction."""
         st, b = self.state, self.budget
         kw = dict(rho_min=b["rho_min"], mode=b["mode"], sim_min=b["sim_min"], sharpen=b["sharpen"],
                   fallback_s=b["fallback_s"], floor_layer=b["floor_layer"], floor_global=b["floor_global"])
@@ -249,9 +257,10 @@ class SubspacePathModule(CausalLMModule):
                 info["pruned_fraction"] = 1.0 - float(mask.double().mean())
             return mask, info
 
-        target = b["target_prune"] if target_prune is None else target_prune
-        if target is not None:
-            e, mask, info = bisect_eta(at, float(target))
+        if target_prune is None and b["target_scope"] == "scenario":
+            target_prune = b["target_prune"]
+        if target_prune is not None:   # this scenario's own eta, bisected to the pruned fraction (matched comparisons)
+            e, mask, info = bisect_eta(at, float(target_prune))
             info["eta"] = e
             return mask, info
         e = self.eta if eta is None else eta
@@ -315,10 +324,27 @@ class SubspacePathModule(CausalLMModule):
         self.rows = []
         self.model.eval()
 
+    def calibrate_eta(self, dm) -> float:
+        """The run's operating point (``budget.target_prune`` with ``target_scope: run``): one eta, bisected so that
+        the mean pruned fraction over every scenario of the run is the target (the paper's ≈30%); each scenario keeps
+        its breadth-dependent budget at that eta. ``pruning_strength`` alone does not pin the fraction."""
+        probs = [self.scenario_probs(dm.tokenizer, dm.scenario(i)) for i in range(dm.n_total())]
+
+        def mean_at(e):
+            fr = [self.compile(p, eta=e)[1]["pruned_fraction"] for p in probs]
+            return None, {"pruned_fraction": sum(fr) / len(fr)}
+
+        eta, _, info = bisect_eta(mean_at, float(self.budget["target_prune"]))
+        self.eta = eta
+        self.results["calibrated"] = {"eta": eta, "mean_pruned_fraction": info["pruned_fraction"]}
+        return eta
+
     def test_step(self, index, batch_idx):
         dm = self._dm()
         if self.state is None:
             self.fit_offline(dm, dm.tokenizer)
+            if self.budget["target_prune"] is not None and self.budget["target_scope"] == "run":
+                self.calibrate_eta(dm)
         sc = dm.scenario(int(index))
         t0 = time.perf_counter()
         probs = self.scenario_probs(dm.tokenizer, sc)
@@ -361,7 +387,8 @@ class SubspacePathModule(CausalLMModule):
             self.log(f"test/{k}", float(v))
         for l, a in enumerate(self.state["probe_acc"].tolist()):
             self.log(f"test/probe_acc/L{l}", a)
-        self.results = {"domains": self.state["domains"], "splits": table, **overall,
+        self.log("test/eta", float(self.eta))
+        self.results = {**self.results,"domains": self.state["domains"], "splits": table, **overall,
                         "probe_acc": self.state["probe_acc"].tolist(),
                         "importance": self.state["importance"].tolist(),
                         "whitelist": self.state["whitelist"].int().tolist(), "scenarios": self.rows}
