@@ -438,3 +438,17 @@ def test_the_run_is_calibrated_to_the_paper_s_pruning(tiny_tokenizer):
     for name in ("subspace_path_llama2_13b", "subspace_path_qwen25_14b"):
         b = compose(name).model.budget
         assert (b.target_prune, b.target_scope) == (0.3, "run")
+
+
+def test_kv_saving_counts_whole_groups_only(tiny_tokenizer):
+    """The KV memory a mask saves: only KV groups with every head pruned. One head pruned per group: half the heads
+    gone, no cache saved; a whole group pruned: its share saved. Each compiled mask reports it."""
+    from lightning_modules.subspace_path.method import kv_saved_fraction
+
+    one_per_group = torch.tensor([[True, False, True, False], [False, True, True, False]])   # 2 layers, 2 groups of 2
+    assert 1 - one_per_group.double().mean() == 0.5 and kv_saved_fraction(one_per_group, 2) == 0.0
+    whole = torch.tensor([[True, True, False, False], [True, True, True, True]])
+    assert kv_saved_fraction(whole, 2) == 0.25
+    module = _module(tiny_tokenizer, layers=4, heads=8)
+    mask, info = module.compile(module.scenario_probs(tiny_tokenizer, {"turns": [{"prompt": "sockets bind"}]}))
+    assert info["kv_saved_fraction"] == kv_saved_fraction(mask, 4) <= info["pruned_fraction"]

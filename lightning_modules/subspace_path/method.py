@@ -10,6 +10,7 @@
 - :func:`breadth`, :func:`compile_mask` (the online ScenarioCompiler: probe probabilities → head mask): the
   release's budget (:func:`release_union_mask`: max-over-layers similarities, :func:`infer_domains`, the min-max
   ^1.5 map applied twice, int floors in its order) or the README's sum; :func:`bisect_eta` (matched pruning).
+- :func:`kv_saved_fraction`: the KV-cache share a mask frees (whole KV groups only).
 - :func:`keywords`, :func:`recall`: the paper's Recall (keyword overlap without stop-words; letter match for
   multiple choice).
 """
@@ -326,6 +327,13 @@ def compile_mask(probs: torch.Tensor, importance: torch.Tensor, white: torch.Ten
     info = {"breadth": c, "keep_ratio": keep, "q": q.tolist(), "s": s.tolist(), "fallback": not bool(valid.any()),
             "pruned_fraction": 1.0 - float(mask.double().mean())}
     return mask, info
+
+
+def kv_saved_fraction(mask: torch.Tensor, n_kv: int) -> float:
+    """The share of the KV cache a head mask (L, H) frees: (layer, KV group) pairs whose every query head is pruned.
+    Under grouped-query attention a group serves H / n_kv heads; pruning some of them saves compute but no cache."""
+    L, H = mask.shape
+    return float((~mask.bool().reshape(L, n_kv, H // n_kv).any(-1)).double().mean())
 
 
 def bisect_eta(compile_at: Callable[[float], tuple[torch.Tensor, dict]], target_prune: float, hi: float = 64.0,

@@ -27,8 +27,10 @@ fraction is the target (``target_scope: run``; ``scenario``: each scenario bisec
 given the conversation so far and the turn's prompt (dense and pruned), and keyword Recall of a greedy continuation.
 
 Logged per split s ∈ selected / out_of_domain / cross_domain: ``test/<s>/ppl_dense``, ``ppl_pruned``, ``ppl_ratio``,
-``recall_dense``, ``recall_pruned``, ``pruned_fraction``; overall ``test/ppl_ratio`` (pruned / dense over all later
-turns), ``test/pruned_fraction``, ``test/compile_ms``, ``test/tokens_per_s_dense`` / ``_pruned``,
+``recall_dense``, ``recall_pruned``, ``pruned_fraction``, ``kv_saved_fraction`` (the KV cache a mask frees: only
+KV groups whose every head is pruned; ``kv_group_mask`` keeps a group while any of its heads is kept, so heads
+pruned across groups save compute but no cache); overall ``test/ppl_ratio`` (pruned / dense over all later turns),
+``test/pruned_fraction``, ``test/kv_saved_fraction``, ``test/compile_ms``, ``test/tokens_per_s_dense`` / ``_pruned``,
 ``test/probe_acc/L<ℓ>`` (val pools, argmax over domains). ``results`` holds per-scenario rows, I, the whitelist.
 """
 from __future__ import annotations
@@ -44,8 +46,8 @@ from lightning_modules.common.activations import capture
 from lightning_modules.common.attention import attention_modules, head_mask, kv_group_mask, prune_heads
 from lightning_modules.common.lm import CausalLMModule
 from lightning_modules.subspace_path.method import (BUDGET_MODES, Probes, bisect_eta, compile_mask, fit_temperatures,
-                                                    importance_terms, quasi_orthogonal, recall, strip_stop_words,
-                                                    train_probes, whitelist)
+                                                    importance_terms, kv_saved_fraction, quasi_orthogonal, recall,
+                                                    strip_stop_words, train_probes, whitelist)
 
 BASES = ("onehot", "quasi_orthogonal")
 EXECUTIONS = ("mask", "slice")
@@ -255,6 +257,7 @@ class SubspacePathModule(CausalLMModule):
             if self.execution == "slice":
                 mask = kv_group_mask(mask, self._kv_groups())
                 info["pruned_fraction"] = 1.0 - float(mask.double().mean())
+            info["kv_saved_fraction"] = kv_saved_fraction(mask, self._kv_groups())
             return mask, info
 
         if target_prune is None and b["target_scope"] == "scenario":
@@ -354,7 +357,8 @@ class SubspacePathModule(CausalLMModule):
         pruned = self.evaluate_turns(dm.tokenizer, sc, mask)
         self.rows.append({"split": sc.get("split", "selected"), "domains": list(sc.get("domains", [])),
                           "compile_s": compile_s, "mask": mask.int().tolist(), "dense": dense, "pruned": pruned,
-                          **{k: info[k] for k in ("breadth", "keep_ratio", "pruned_fraction", "eta", "fallback")}})
+                          **{k: info[k] for k in ("breadth", "keep_ratio", "pruned_fraction", "kv_saved_fraction", "eta",
+                                                  "fallback")}})
 
     def on_test_epoch_end(self):
         if not self.rows:
@@ -374,13 +378,15 @@ class SubspacePathModule(CausalLMModule):
             table[split] = {"ppl_dense": d, "ppl_pruned": p, "ppl_ratio": p / d,
                             "recall_dense": 100 * mean([t["recall"] for r in rows for t in r["dense"]]),
                             "recall_pruned": 100 * mean([t["recall"] for r in rows for t in r["pruned"]]),
-                            "pruned_fraction": mean([r["pruned_fraction"] for r in rows]), "scenarios": len(rows)}
+                            "pruned_fraction": mean([r["pruned_fraction"] for r in rows]),
+                            "kv_saved_fraction": mean([r["kv_saved_fraction"] for r in rows]), "scenarios": len(rows)}
             for k, v in table[split].items():
                 self.log(f"test/{split}/{k}", float(v))
         tps = lambda which: (sum(t["gen_tokens"] for r in self.rows for t in r[which])  # noqa: E731
                              / max(1e-9, sum(t["gen_s"] for r in self.rows for t in r[which])))
         overall = {"ppl_ratio": ppl(self.rows, "pruned") / ppl(self.rows, "dense"),
                    "pruned_fraction": mean([r["pruned_fraction"] for r in self.rows]),
+                   "kv_saved_fraction": mean([r["kv_saved_fraction"] for r in self.rows]),
                    "compile_ms": 1000 * mean([r["compile_s"] for r in self.rows]),
                    "tokens_per_s_dense": tps("dense"), "tokens_per_s_pruned": tps("pruned")}
         for k, v in overall.items():
