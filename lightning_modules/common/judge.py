@@ -319,8 +319,8 @@ class EndpointJudge:
         return self._client
 
     def check(self) -> None:
-        """Fail before any generation on a missing url or model (no request is sent)."""
-        self.client()
+        """Fail before any generation on a missing url, model or API key variable (no request is sent)."""
+        self.client()._key()
 
     def grade(self, prompt: str, response: str, **ctx) -> dict:
         from lightning_modules.common.endpoint import EndpointError
