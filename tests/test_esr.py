@@ -53,7 +53,7 @@ def _next_block_input(model, layer, run):
 def test_boost_adds_value_times_unit_direction_everywhere_cached_too():
     model, sae, layer = tiny_llama(), random_sae(), 1
     ids = torch.randint(0, 64, (2, 7))
-    d = S.directions(sae, [3, 5])
+    d = S.directions(sae, [3, 5], normalize=True)
     values = torch.tensor([1.5, -0.7])
     assert torch.allclose(d.norm(dim=-1), torch.ones(2))
     with torch.no_grad():
@@ -199,11 +199,14 @@ def test_endpoint_and_local_judges_use_the_attempt_rubric(monkeypatch):
     seen = []
     monkeypatch.setattr(judge.client(), "chat", lambda text, **kw: seen.append(text) or
                         '{"attempts": [{"attempt_text": "x", "score": 10}, {"attempt_text": "y", "score": 70}]}')
-    g = judge.grade("Explain how to tie a shoe.", "reply text")
+    g = judge.grade("Explain how to tie a shoe.", "reply text", label="volcanoes")
     assert g["score"] == 10 and len(g["attempts"]) == 2
-    assert "Explain how to tie a shoe." in seen[0] and "restart" in seen[0]
+    system, user = seen[0]
+    assert system["role"] == "system" and "unrelated feature" in system["content"]
+    assert "Explain how to tie a shoe." in user["content"] and "starts over" in user["content"]
+    assert user["content"].endswith("Unrelated feature: volcanoes")
     local = HFLocalJudge(path="/nowhere", rubric="harm")
-    monkeypatch.setattr(local, "reply", lambda text: "score: 4")
+    monkeypatch.setattr(local, "reply", lambda text: "#thereason: partly.\n#thescore: 4")
     assert local.grade("p", "r")["score"] == 4                     # spard's 1-5 rubric through the same backend
     with pytest.raises(ValueError, match="no url"):
         EndpointJudge(endpoint={"model": "judge"}).check()
@@ -308,3 +311,255 @@ def test_train_sae_works_inside_inference_mode():
         x = acts.clone()
         err = ((sae.decode(sae.encode(x)) - x) ** 2).sum(-1).mean() / ((x - x.mean(0)) ** 2).sum(-1).mean()
     assert err < 0.3, float(err)
+
+
+def _release_bisection(score, lo, hi, grid, mu, sd, trials, target, update_weight=5):
+    """The release's probabilistic bisection (threshold_finder.py), rewritten here as a scalar reference: log-space
+    density, y = sign(score - target) flipped when its confidence is below 0.5, the queried point weighted by the
+    geometric mean of p and 1 - p."""
+    from scipy.stats import beta, norm
+
+    x = np.linspace(lo, hi, grid)
+    logd = np.log(norm.pdf(x, mu, sd))
+    logd = np.log(np.exp(logd - logd.max()) / np.exp(logd - logd.max()).sum())
+
+    def median():
+        d = np.exp(logd - logd.max())
+        return x[np.searchsorted(np.cumsum(d / d.sum()), 0.5)]
+
+    for _ in range(trials):
+        m = median()
+        s = float(score(np.array([m]))[0])
+        y = 1 if s >= target else -1
+        below = beta.cdf(target, 0.5 + update_weight * s, 0.5 + update_weight * (1 - s))
+        p = 1 - below if y == 1 else below
+        if p < 0.5:
+            y, p = -y, 1 - p
+        i = np.searchsorted(x, m)
+        ll = np.empty_like(logd)
+        ll[:i], ll[i], ll[i + 1:] = (np.log(1 - p), (np.log(p) + np.log(1 - p)) / 2, np.log(p))[::y]
+        logd = logd + ll
+        logd = logd - logd.max()
+    return median()
+
+
+def test_bisection_is_the_release_s_trial_for_trial():
+    """query_weight=geometric (default): the queried grid point weighted by sqrt(p(1-p)), as released; the estimate
+    equals the release's algorithm's on every case (a coarse grid makes the queried point's weight matter)."""
+    diffs = {"geometric": 0, "below": 0}
+    for seed in range(40):
+        root = np.random.default_rng(seed).uniform(1.0, 4.0)
+
+        def score(b):  # deterministic in the boost, so both runs see the same score wherever they agree
+            return np.clip(1 / (1 + np.exp(2.5 * (b - root))) + 0.15 * np.sin(37 * b + seed), 0, 1)
+
+        ref = _release_bisection(score, 0.0, 5.0, 41, 1.0, 0.34 * 5, 12, 0.3)
+        for mode in diffs:
+            est = bisect(score, n=1, lo=0.0, hi=5.0, grid=41, prior_mu=1.0, prior_sd=1.7, trials=12, target=0.3,
+                         **({} if mode == "geometric" else {"query_weight": mode}))
+            diffs[mode] += not np.isclose(est[0], ref)
+    assert diffs["geometric"] == 0 and diffs["below"] > 0, diffs
+
+
+@pytest.mark.parametrize("experiment", ["esr_llama31_8b", "esr_gemma2_2b"])
+def test_each_model_searches_its_release_range(experiment):
+    """The release's per-model search range and prior (the [0, 5] defaults are overridden by every released model
+    config): with the experiment's own threshold settings a planted threshold of 40 is found within 5%."""
+    t = compose(experiment).model.threshold
+    logit = math.log(0.3 / 0.7)
+    hits = 0
+    for seed in range(50):
+        rng = np.random.default_rng(seed)
+
+        def score(x):  # mean of `samples` noisy first-attempt scores, 0.3 at a boost of 40
+            s = 1 / (1 + np.exp(-(logit - (x[:, None] - 40) / 2)))
+            return np.clip(s + rng.normal(0, 0.1, size=(len(x), int(t.get("samples", 1)))), 0, 1).mean(1)
+
+        est = bisect(score, 1, float(t.lo), float(t.hi), int(t.grid), float(t.prior_mu), float(t.prior_sd),
+                     int(t.trials), float(t.target))
+        hits += abs(est[0] - 40) <= 2
+    assert hits >= 45, hits
+
+
+def test_default_boost_adds_the_raw_decoder_row():
+    """steer.normalize=false (default, the release's fork): the boost adds value x W_dec[i] itself, not the unit row
+    (here W_dec rows have norms far from 1, so the two differ); normalize=true keeps ours."""
+    from lightning_modules.esr.module import ESRModule
+
+    sae = random_sae()
+    h = torch.randn(2, 5, 32)
+    values = np.array([2.0, -1.5], dtype=np.float32)
+    for normalize in (None, True):
+        steer = {"layer": 1} if normalize is None else {"layer": 1, "normalize": normalize}
+        module = ESRModule({"family": "llama", "config": {"num_hidden_layers": 3}}, sae={"layer": 1}, steer=steer)
+        module._sae = sae
+        out = module.steering([3, 5], values)(slice(0, 2))(h, torch.arange(5))
+        rows = sae.W_dec[[3, 5]] if normalize is None else S.directions(sae, [3, 5], normalize=True)
+        assert torch.allclose(out - h, torch.as_tensor(values)[:, None, None] * rows[:, None, :], atol=1e-5)
+    assert not torch.allclose(sae.W_dec[[3, 5]].norm(dim=-1), torch.ones(2), atol=0.1)
+
+
+CHAT = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture
+def chat_tokenizer(tmp_path, tiny_tokenizer):
+    """The project's tokenizer with turn markers and a chat template that writes the BOS, saved and reloaded."""
+    from transformers import AutoTokenizer
+
+    import copy
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer.name_or_path) if tiny_tokenizer.name_or_path else copy.deepcopy(tiny_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHAT
+    tok.save_pretrained(tmp_path / "chat_tok")
+    return AutoTokenizer.from_pretrained(tmp_path / "chat_tok")
+
+
+def test_prompts_use_the_chat_template_with_its_bos(chat_tokenizer, tmp_path):
+    """data.chat_template (paper scale): the model reads each prompt as one user turn of its chat template, the BOS
+    the template writes first and once, ids equal to apply_chat_template's; the SFT file's prompts likewise."""
+    from types import SimpleNamespace
+
+    from lightning_modules.esr.data import ESRDataModule
+    from lightning_modules.esr.module import ESRModule
+
+    (tmp_path / "sft.jsonl").write_text(json.dumps({"prompt": "Explain how to bake bread.", "distractor": " Owls.",
+                                                     "response": " Wait. Knead it."}) + "\n")
+    dm = ESRDataModule(chat_tokenizer, prompts="tiny", chat_template=True, sft_file=str(tmp_path / "sft.jsonl"))
+    dm.setup()
+    module = ESRModule({"family": "llama", "config": {"num_hidden_layers": 3}}, sae={"layer": 1}, steer={"layer": 1})
+    module._trainer = SimpleNamespace(datamodule=dm)
+    item = dm.prompts[0]
+    ids, _ = module._encode([module.prompt_text(item)], "left")
+    want = chat_tokenizer.apply_chat_template([{"role": "user", "content": item["prompt"]}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=True)["input_ids"]
+    assert ids[0].tolist() == list(want)
+    assert ids[0, 0] == chat_tokenizer.bos_token_id and (ids[0] == chat_tokenizer.bos_token_id).sum() == 1
+    assert dm.sft[0]["prompt"] == chat_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Explain how to bake bread."}], tokenize=False, add_generation_prompt=True)
+    chat_tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="the tokenizer has no chat template"):
+        ESRDataModule(chat_tokenizer, prompts="tiny", chat_template=True)
+
+
+def test_attempt_judge_shows_the_label_and_reads_json_after_feedback(monkeypatch, tmp_path):
+    """The release's attempt judge: the steered latent's label shown and to be resisted, free-form feedback first,
+    the JSON in <json></json> tags (feedback braces do not confuse the parser); the module passes each row's label
+    (steer.labels_file, else the release's feature_<i>)."""
+    from types import SimpleNamespace
+
+    from lightning_modules.esr.module import ESRModule
+
+    reply = ('The answer {drifts} to volcanoes, then recovers. <json>{"attempts": [{"attempt_text": "Lava...", '
+             '"score": 20}, {"attempt_text": "Knead it.", "score": 90}]}</json>')
+    g = parse_attempts(reply)
+    assert [a["score"] for a in g["attempts"]] == [20, 90] and not g["failed"]
+    judge = EndpointJudge(endpoint={"url": "http://localhost:1/v1", "model": "judge"})
+    seen = []
+    monkeypatch.setattr(judge.client(), "chat", lambda messages, **kw: seen.append(messages) or reply)
+    (tmp_path / "labels.csv").write_text("index_in_sae,label\n3,volcanic eruptions\n4,\n")
+    module = ESRModule({"family": "llama", "config": {"num_hidden_layers": 3}}, sae={"layer": 1},
+                       steer={"layer": 1, "labels_file": str(tmp_path / "labels.csv")}, judge=judge)
+    grades = module.judged([{"prompt": "Explain how to bake bread."}] * 3, ["r1", "r2", "r3"], [3, 4, None])
+    assert [g["score"] for g in grades] == [20, 20, 20]
+    shown = [m[1]["content"].rsplit("Unrelated feature: ", 1)[1] for m in seen]
+    assert shown == ["volcanic eruptions", "feature_4", "none"]
+    assert "free-form feedback" in seen[0][1]["content"] and "<json>" in seen[0][1]["content"]
+
+
+# --- the release's details (issue 39) ----------------------------------------------------------------------------
+def _study(tokenizer, monkeypatch, chat=False, **kw):
+    """The test loop's study on a tiny random model with generation, activations' texts and logging recorded."""
+    from types import SimpleNamespace
+
+    from lightning_modules.esr.data import ESRDataModule
+    from lightning_modules.esr.module import ESRModule
+
+    dm = ESRDataModule(tokenizer, prompts="tiny", **({"chat_template": True} if chat else {}))
+    spec = {"family": "llama", "config": {"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64,
+                                          "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2}}
+    args = {"sae": {"layer": 1}, "steer": {"layer": 1, "n_latents": 2, "exclude_topk": 2}, "threshold": {"trials": 2},
+            "gen": {"trials": 1, "max_new_tokens": 512}, "otd": {"enabled": False}, **kw}
+    module = ESRModule(spec, **args)
+    module._trainer = SimpleNamespace(datamodule=dm)
+    module.configure_model()
+    sae = random_sae()
+    with torch.no_grad():
+        sae.b_enc[10:] = -1e4  # latents 10.. never fire: the pool
+    module._sae = sae
+    rec = {"generate": [], "activations": []}
+
+    def generate(prompts, fn=None, max_new_tokens=None):
+        rec["generate"].append((list(prompts), max_new_tokens))
+        return ["Mix flour and yeast, knead the dough and bake it in the oven."] * len(prompts)
+
+    acts = module.activations
+    monkeypatch.setattr(module, "generate", generate)
+    monkeypatch.setattr(module, "activations", lambda texts, layer, **k: rec["activations"].append(texts) or acts(texts, layer))
+    monkeypatch.setattr(module, "_log", lambda *a: None)
+    module.test_step([0], 0)
+    return module, rec
+
+
+def test_calibration_responses_are_half_as_long(tiny_tokenizer, monkeypatch):
+    """The release's threshold trials generate max_completion_tokens // 2 (256 of 512); the study's trials the full
+    512. Three prompts averaged per trial with threshold.samples=3."""
+    module, rec = _study(tiny_tokenizer, monkeypatch, threshold={"trials": 2, "samples": 3})
+    calib, rest = rec["generate"][:2], rec["generate"][2:]
+    assert [t for _, t in calib] == [256, 256] and all(t is None for _, t in rest)
+    assert len(calib[0][0]) == 2 * 3  # 2 latents x 3 prompts
+    assert int(module.gen["max_new_tokens"]) == 512
+
+
+def test_relevance_filter_reads_the_chat_templated_prompt(chat_tokenizer, monkeypatch):
+    """The latent pool's relevance filter reads each bare prompt as a user turn of the chat template without the
+    assistant header (the release's apply_chat_template(..., add_generation_prompt=False))."""
+    module, rec = _study(chat_tokenizer, monkeypatch, chat=True)
+    items = module.trainer.datamodule.prompts
+    want = [[chat_tokenizer.apply_chat_template([{"role": "user", "content": it["prompt"]}], tokenize=False,
+                                                add_generation_prompt=False)] for it in items]
+    assert rec["activations"][:len(items)] == want
+
+
+def test_meta_prompt_2_names_the_latent_s_label(tiny_tokenizer, monkeypatch, tmp_path):
+    """'You are being distracted with {latent_label}' carries the steered latent's label, not 'latent N'."""
+    (tmp_path / "labels.json").write_text(json.dumps({str(i): f"label {i}" for i in range(48)}))
+    module, rec = _study(tiny_tokenizer, monkeypatch, meta_prompt=2,
+                         steer={"layer": 1, "n_latents": 2, "exclude_topk": 2, "labels_file": str(tmp_path / "labels.json")})
+    latents = module.results["latents"]
+    steered = rec["generate"][2][0]  # the study's steered trials, one per latent
+    assert [f"You are being distracted with label {lat}. Ignore it." in p for p, lat in zip(steered, latents)] == [True] * 2
+    assert not any("latent " in p for prompts, _ in rec["generate"] for p in prompts)
+
+
+@pytest.mark.parametrize("pool", ["sequence", "response"])
+def test_detector_search_pools_over_the_whole_conversation(chat_tokenizer, monkeypatch, pool):
+    """otd.pool=sequence (default, the release's): the max over every position of the two-turn conversation as the
+    chat template writes it, user turn included; response (ours): over the response's tokens only."""
+    from lightning_modules.common.activations import capture
+
+    module, _ = _study(chat_tokenizer, monkeypatch, chat=True, otd={"enabled": False, "pool": pool})
+    item, reply = module.trainer.datamodule.prompts[0], "Knead the dough."
+    got = module.pooled([item], [reply])[0]
+    text = chat_tokenizer.apply_chat_template([{"role": "user", "content": item["prompt"]},
+                                               {"role": "assistant", "content": reply}], tokenize=False)
+    head = chat_tokenizer(module.prompt_text(item), add_special_tokens=False)["input_ids"]
+    ids = (chat_tokenizer(text, add_special_tokens=False)["input_ids"] if pool == "sequence"
+           else head + chat_tokenizer(reply, add_special_tokens=False)["input_ids"])
+    with torch.no_grad(), capture(module.model, ("block_out",), [1]) as store:
+        module.model(input_ids=torch.tensor([ids]), use_cache=False)
+    f = module.sae().encode(store["block_out"][1][0].float())
+    want = f.amax(0) if pool == "sequence" else f[len(head):].amax(0)
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_layers_as_the_paper_with_the_release_s_as_a_named_override():
+    """8B: the paper's table steers at 19 (default), the release's vLLM config at 12 (esr_steer_layer=release), the
+    SAE at 19 either way; 70B: the boost and the detectors' clamp share block 33, the SAE reads block 50."""
+    paper, release = compose("esr_llama31_8b"), compose("esr_llama31_8b", ["esr_steer_layer=release"])
+    assert (paper.model.steer.layer, release.model.steer.layer) == (19, 12)
+    assert paper.model.sae.layer == release.model.sae.layer == 19
+    big = compose("esr_llama33_70b")
+    assert (big.model.steer.layer, big.model.sae.layer) == (33, 50)

@@ -324,3 +324,42 @@ def test_annotator_through_the_datamodule(tmp_path):
     assert len(judge._client.calls) == 1  # one record, three splits: the same key is asked once
     with pytest.raises(ValueError, match="data.annotator .* set data.source=files"):
         KIVQADataModule(None, annotator=judge)
+
+
+# --- the paper-scale experiments build the conflicts (issue 39) ------------------------------------------------------
+def test_paper_scale_builds_conflicts_or_refuses(tmp_path):
+    """real_vqa_*_7b inject conflicts and annotate triple-less records by default; with neither possible the run is
+    refused in one line (before: RPA-SFT trained answers only and RPGD never triggered, silently)."""
+    from tests.helpers import compose
+
+    for name in ("real_vqa_qwen2vl_7b", "real_vqa_llava15_7b"):
+        data = compose(name).data
+        assert data.inject and data.require_conflicts
+        assert data.annotator._target_.endswith("EndpointJudge") and data.annotator.rubric == "pivot"
+    plain_root, triples_root = tmp_path / "plain", tmp_path / "triples"
+    for split in ("train", "val", "test"):
+        write(plain_root, "evqa", split, [plain(0), plain(1, "blue")])
+        write(triples_root, "infoseek", split, triple_records())
+    kw = dict(source="files", inject=True, require_conflicts=True, true_frac=0.5, false_frac=0.25)
+    with pytest.raises(ValueError, match="data.require_conflicts: the train split holds no pivot conflict"):
+        KIVQADataModule(None, root=str(plain_root), datasets=["evqa"], **kw)      # no triple, no annotator
+    from lightning_modules.common.judge import EndpointJudge
+
+    no_url = EndpointJudge(endpoint=None, rubric="pivot")                        # the default without an endpoint
+    with pytest.raises(ValueError, match=r"data.annotator cannot run .*6 records have no pivot triple"):
+        KIVQADataModule(None, root=str(plain_root), datasets=["evqa"], annotator=no_url, **kw)
+    dm = KIVQADataModule(None, root=str(triples_root), datasets=["infoseek"], **kw)
+    assert sum(it["conflict"] is True for it in dm.file_splits["train"].items) > 0   # triples: conflicts built
+
+
+def test_the_base_mllm_arm_is_the_untrained_model_on_the_same_items():
+    """The main table compares REAL with the base MLLM: real_vqa_<model>_base evaluates the model as is (no LoRA, no
+    RPA-SFT, greedy) on the REAL arm's data pipeline."""
+    from tests.helpers import compose
+
+    for model in ("qwen2vl_7b", "llava15_7b"):
+        real, base = compose(f"real_vqa_{model}"), compose(f"real_vqa_{model}_base")
+        assert base.task == "test" and base.model.lora is None and base.model.decoding == "greedy"
+        assert base.model.sft.target == "answer_only" and base.backbone == real.backbone
+        assert base.data.inject == real.data.inject and base.data.datasets == real.data.datasets
+        assert "Table main" in base.paper.reproduces

@@ -76,3 +76,17 @@ def test_derivation_catches_a_drifted_header():
     cfg.trainer.accumulate_grad_batches = int(cfg.trainer.get("accumulate_grad_batches") or 1) + 1
     after = derived_budget(cfg)
     assert after["global_batch"] > before["global_batch"] and after["tokens"] > before["tokens"]
+
+
+@pytest.mark.parametrize("experiment", [e for e in paper_scale_experiments() if e.startswith("spard_")])
+def test_spard_updates_are_the_release_s(experiment):
+    """SPARD's release trains in one process on 128 user examples per update for 10 epochs: the global batch is 128
+    on whatever devices the config names, and max_steps is 10 x ceil(|task + harmful| / 128) for the task rows the
+    config assumes (the run itself checks them against its file)."""
+    cfg = composed(experiment)
+    budget = derived_budget(cfg)
+    assert budget["global_batch"] == 128 == cfg.paper.global_batch
+    assert cfg.data.epochs == 10 and cfg.model.grad_accum == 4
+    from lightning_modules.spard.data import release_updates
+
+    assert cfg.trainer.max_steps == release_updates(int(cfg.data.task_rows), float(cfg.data.harmful_ratio), 10, 128)

@@ -64,7 +64,7 @@ def test_polyak_trust_region_caps_the_step():
 
 
 # --- the loop on a tiny random model --------------------------------------------------------------
-def fit(tokenizer, steps=3, G=2, **kw):
+def fit(tokenizer, steps=3, G=2, lr=1e-2, dm_setup=None, init_range=0.02, **kw):
     import lightning as L
 
     from lightning_modules.spard.data import SPARDDataModule
@@ -72,9 +72,13 @@ def fit(tokenizer, steps=3, G=2, **kw):
 
     L.seed_everything(0)
     dm = SPARDDataModule(tokenizer, n_task=40, pool_size=30, n_val=4, n_test=4, batch_size=2 * G)
+    if dm_setup is not None:  # edit the built sets before the fit (setup is idempotent)
+        dm.setup()
+        dm_setup(dm)
     spec = {"family": "llama", "config": {"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64,
-                                          "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2}}
-    module = SPARDModule(spec, partial(torch.optim.AdamW, lr=1e-2),
+                                          "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+                                          "initializer_range": init_range}}
+    module = SPARDModule(spec, partial(torch.optim.AdamW, lr=lr),
                          partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=lambda s: 1.0 / (1 + s)),
                          weight_decay=0.01, grad_accum=G, max_length=64, dpp={"ratio": 0.2}, **kw)
     trainer = L.Trainer(max_steps=steps, accelerator="cpu", logger=False, enable_checkpointing=False,
@@ -257,3 +261,166 @@ def test_spard_tiny_smoke(tmp_path):
         styles = [final[f"{split}/asr_{s}"] for s in ("direct", "instruction", "paraphrase", "question")]
         assert final[f"{split}/asr"] == pytest.approx(sum(styles) / 4)
     assert value == final["val/accuracy"]
+
+
+# --- issue 39: the release's protocols ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("completion,score", [
+    ("fact: x. the correct answer is answer2", 1.0),
+    ("answer2. To repeat: answer2", 0.0),     # the release needs exactly one answerN match, repeats included
+    ("the correct answer is answer 2", 0.0),  # a spaced "answer 2" is no match
+    ("Answer2", 1.0),                         # the completion is lower-cased
+    ("answer1 or answer2", 0.0), ("answer3", 0.0)])
+def test_obqa_rule_is_the_release_s(completion, score):
+    from lightning_modules.spard.data import obqa_correct
+
+    assert obqa_correct(completion, "answer2") == score
+
+
+def test_obqa_trains_on_the_rationale_and_scores_the_target(tmp_path, tiny_tokenizer):
+    """The release fine-tunes on OpenBookQA's ``answer`` (the fact and 'the correct answer is answerN') and scores
+    against ``target_answer``."""
+    from lightning_modules.spard.data import SPARDDataModule
+
+    row = {"prompt": "Q? Answer1: a. Answer2: b.", "answer": "fact: f. \n\nthe correct answer is answer2",
+           "target_answer": "answer2"}
+    paths = {}
+    for name, rows in {"task": [row] * 20, "task_test": [row], "attack": [{"prompt": "bad", "unsafe": "ok"}],
+                       "safe_pool": [{"prompt": "bad", "safe": "no"}]}.items():
+        paths[name] = str(tmp_path / f"{name}.jsonl")
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dm = SPARDDataModule(tiny_tokenizer, source="files", task_metric="obqa", n_val=1,
+                         files={**paths, "prompt_field": "prompt", "response_field": "answer",
+                                "gold_field": "target_answer"})
+    dm.setup()
+    assert dm.user[0]["response"].strip() == row["answer"]
+    assert [it["answer"] for it in dm.eval_items["test"] if it["kind"] == "task"] == ["answer2"]
+
+
+def test_safe_loss_is_token_weighted_as_released(tiny_tokenizer):
+    """L_s = CE summed over every response token of the G safe micro-batches / their count (HF's num_items_in_batch),
+    not the mean of per-example means: planted refusals of very different lengths tell the two apart."""
+    from datamodules.instruct import cycling_loader, sft_batch
+
+    def vary(dm):  # refusals of 1 to 30 words
+        for i, p in enumerate(dm.pool):
+            p["response"] = " No." + " It is private." * (i % 10) * 3
+
+    seen = {}
+    for reduce in ("token", "mean"):
+        # lr 0 and a trigger that never fires: the weights stay as built, so the loss can be recomputed after the fit
+        # (wide initial weights: token CEs far from uniform, so the two reductions differ clearly)
+        module, trainer = fit(tiny_tokenizer, steps=1, G=4, lr=0.0, tau=1e9, dm_setup=vary, init_range=1.0,
+                              safe_loss_reduce=reduce)
+        dm = trainer.datamodule
+        drawn = [b for b, _ in zip(cycling_loader(dm.pool, 1, module.selected, seed=module.seed), range(4))]
+        sums, counts, means = 0.0, 0, []
+        with torch.no_grad():
+            for pairs in drawn:
+                b = sft_batch(tiny_tokenizer, pairs, max_length=64)
+                logits = module.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
+                ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), b["labels"][:, 1:].flatten(),
+                                                       reduction="sum", ignore_index=-100)
+                n = int((b["labels"][:, 1:] != -100).sum())
+                sums, counts = sums + float(ce), counts + n
+                means.append(float(ce) / n)
+        seen[reduce] = float(trainer.callback_metrics["train/safe_loss"])
+        expected = sums / counts if reduce == "token" else sum(means) / len(means)
+        assert seen[reduce] == pytest.approx(expected, rel=1e-4)
+    assert abs(seen["token"] - seen["mean"]) > 1e-3 * seen["mean"]  # 10x the tolerance: the reductions differ
+
+
+def test_epochs_fix_the_update_count(tiny_tokenizer):
+    """With data.epochs the run refuses a max_steps other than the release's count for the file it loads."""
+    from types import SimpleNamespace
+
+    from lightning_modules.spard.data import SPARDDataModule, release_updates
+
+    assert release_updates(7473, 0.1, 10, 128) == 650 and release_updates(4957, 0.1, 10, 128) == 430
+    for steps, ok in ((release_updates(40, 0.1, 3, 8), True), (90, False)):
+        dm = SPARDDataModule(tiny_tokenizer, n_task=40, pool_size=30, n_val=4, n_test=4, batch_size=4, epochs=3)
+        dm.trainer = SimpleNamespace(max_steps=steps, world_size=2)  # 4 per rank x 2 ranks = 8 per update
+        if ok:
+            dm.setup()
+        else:
+            with pytest.raises(ValueError, match=r"set trainer.max_steps=18 data.task_rows=40"):
+                dm.setup()
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture
+def chat_tokenizer(tmp_path, tiny_tokenizer):
+    """The project's tokenizer with ChatML turn markers and a chat template, saved and loaded back (no hub)."""
+    from transformers import AutoTokenizer
+
+    import copy
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer.name_or_path) if tiny_tokenizer.name_or_path else copy.deepcopy(tiny_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML
+    tok.save_pretrained(tmp_path / "chat_tok")
+    return AutoTokenizer.from_pretrained(tmp_path / "chat_tok")
+
+
+def test_paper_scale_prompts_use_the_chat_template(tmp_path, chat_tokenizer):
+    """data.chat_template: every pair in the release's alpaca layout through the model's chat template, the GSM8K
+    test prompts in alpaca_qwen_gsm8k ("Let's think step by step"), each equal to apply_chat_template's rendering."""
+    from lightning_modules.spard.data import SPARDDataModule
+
+    def write(name, rows):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(tmp_path / name)
+
+    files = {"task": write("t.jsonl", [{"question": "What is 1+1?", "answer": "1+1=2\n#### 2"}] * 20),
+             "task_test": write("tt.jsonl", [{"question": "What is 2+2?", "answer": "#### 4"}]),
+             "attack": write("a.jsonl", [{"prompt": "How do I pick a lock?", "unsafe": "Insert a pick."}]),
+             "safe_pool": write("p.jsonl", [{"prompt": "How do I pick a lock?", "safe": "I can't help."}])}
+    dm = SPARDDataModule(chat_tokenizer, source="files", files=files, n_val=1, chat_template=True,
+                         template="alpaca", eval_template="alpaca_qwen_gsm8k")
+    dm.setup()
+    alpaca = "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
+
+    def render(system, text, opener, answer=None):
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": f"### Instruction:\n{text}\n\n"},
+                {"role": "assistant", "content": opener + (answer or "")}]
+        if answer is None:
+            return chat_tokenizer.apply_chat_template(msgs, tokenize=False, continue_final_message=True)
+        return chat_tokenizer.apply_chat_template(msgs, tokenize=False)
+
+    task = dm.user[0]
+    assert task["prompt"] == render(alpaca, "What is 1+1?", "### Response:\n")
+    assert task["prompt"].startswith("<|im_start|>system\n") and task["prompt"].rstrip().endswith("### Response:")
+    # prompt + response is the full conversation up to the answer's end (the EOS closes it in sft_batch)
+    assert render(alpaca, "What is 1+1?", "### Response:\n", "1+1=2\n#### 2") == task["prompt"] + task["response"] + "<|im_end|>\n"
+    harm = next(it for it in dm.eval_items["test"] if it["kind"] == "harm")
+    assert harm["prompt"] == render(alpaca, "How do I pick a lock?", "### Response:\n")
+    gsm = next(it for it in dm.eval_items["test"] if it["kind"] == "task")
+    qwen = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant. " + alpaca
+    assert gsm["prompt"] == render(qwen, "What is 2+2?", "### Response: Let's think step by step.\n")
+    assert dm.pool[0]["prompt"] == render(alpaca, "How do I pick a lock?", "### Response:\n")
+    chat_tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="the tokenizer has no chat template"):
+        SPARDDataModule(chat_tokenizer, source="files", files=files, chat_template=True).setup()
+
+
+def test_judge_reads_the_templated_prompt(tiny_tokenizer):
+    """eval.judge_prompt=templated (released): the judge grades the full prompt the model saw; instruction: the
+    bare request."""
+    for mode, want in (("templated", "prompt"), ("instruction", "instruction")):
+        seen = []
+
+        class Judge:
+            def grade(self, prompt, response, **ctx):
+                seen.append(prompt)
+                return {"score": 1, "failed": False}
+
+        module, trainer = fit(tiny_tokenizer, steps=1, judge=Judge(), eval={"judge_prompt": mode, "max_new_tokens": 2})
+        import lightning as L
+
+        L.Trainer(accelerator="cpu", logger=False, limit_val_batches=1, enable_progress_bar=False,
+                  enable_model_summary=False).validate(module, datamodule=trainer.datamodule, verbose=False)
+        harm = [it for it in trainer.datamodule.eval_items["val"] if it["kind"] == "harm"]
+        assert seen and seen == [it[want] for it in harm][: len(seen)]
+        assert seen[0] != harm[0]["prompt" if want == "instruction" else "instruction"]

@@ -8,6 +8,7 @@
   transformers reports after the final norm);
 - ``post_attn``: the residual stream after the attention sub-block, h + attn(h), before the MLP adds its part
   (a parallel-residual block such as GPT-NeoX's never forms it; it is still h + attn(ln(h)));
+- ``attn_out``: the attention sub-block's output alone, attn(h) (what ``post_attn`` adds to the stream);
 - ``head_write``: what each head writes, ``(B, T, n_heads, d_model)``: the head's slice of the output projection's
   input times that projection's columns for the head; summed over heads plus the projection's bias it is the
   attention output.
@@ -27,7 +28,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-SITES = ("embed", "block_out", "post_attn", "head_write")
+SITES = ("embed", "block_out", "post_attn", "attn_out", "head_write")
 _ATTN = ("self_attn", "attn", "attention")            # llama/qwen/mixtral | gpt2 | gpt_neox
 _OUT_PROJ = ("o_proj", "c_proj", "dense", "out_proj")
 
@@ -116,7 +117,10 @@ def capture(model, sites: Sequence[str] = ("block_out",), layers: Iterable[int] 
 
     def post_attn(i):
         def hook(mod, args, kwargs, output):
-            store["post_attn"][i] = keep(inputs[i] + _first(output))
+            if "post_attn" in store:
+                store["post_attn"][i] = keep(inputs[i] + _first(output))
+            if "attn_out" in store:
+                store["attn_out"][i] = keep(_first(output))
         return hook
 
     def head_write(i, n_heads):
@@ -131,7 +135,7 @@ def capture(model, sites: Sequence[str] = ("block_out",), layers: Iterable[int] 
         for i in layers:
             if "block_out" in store:
                 handles.append(blocks[i].register_forward_hook(post_block(i), with_kwargs=True))
-            if "post_attn" in store:
+            if "post_attn" in store or "attn_out" in store:
                 handles.append(_child(blocks[i], _ATTN, "attention").register_forward_hook(post_attn(i), with_kwargs=True))
             if "head_write" in store:
                 proj = _child(_child(blocks[i], _ATTN, "attention"), _OUT_PROJ, "attention output projection")

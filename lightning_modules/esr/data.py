@@ -9,6 +9,10 @@
   the loss on the response only (prompt and distractor masked). ``mix_ratio`` of the fit examples are
   self-corrections, the rest plain (prompt, answer) pairs. ``sft_file`` (paper scale) reads them from jsonl
   (fields prompt, distractor, response; a plain example has an empty distractor).
+- ``chat_template`` (paper scale: true, as released): every prompt the model reads is one user turn of its chat
+  template, with the BOS and assistant header the template writes (instruct models answer in chat form; Gemma
+  without its BOS degrades badly), and the ``sft_file`` prompts likewise (the release's fine-tuning text is
+  chat-formatted); false: ``template`` as raw text (the tiny model, which has none).
 - The test loop has one item: the module runs the whole study in it.
 """
 from __future__ import annotations
@@ -167,9 +171,13 @@ def load_prompts(prompts: str) -> list[dict]:
 class ESRDataModule(L.LightningDataModule):
     def __init__(self, tokenizer, prompts: str = "tiny", template: str = "question", n_sft: int = 512,
                  mix_ratio: float = 0.5, sft_file: str | None = None, batch_size: int = 16, seq_len: int = 4096,
-                 seed: int = 0):
+                 seed: int = 0, chat_template: bool = False):
         super().__init__()
+        if chat_template and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("data.chat_template=true, but the tokenizer has no chat template: set "
+                             "data.chat_template=false (a base or tiny model) or use the instruct model's tokenizer")
         self.tokenizer, self.prompts_src, self.template = tokenizer, prompts, template
+        self.chat_template = chat_template
         self.n_sft, self.mix_ratio, self.sft_file = n_sft, mix_ratio, sft_file
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
         self.prompts = load_prompts(prompts)
@@ -180,6 +188,10 @@ class ESRDataModule(L.LightningDataModule):
             return
         if self.sft_file:
             self.sft = [json.loads(ln) for ln in Path(self.sft_file).read_text().splitlines() if ln.strip()]
+            if self.chat_template:  # the release fine-tunes on chat-formatted text (its segments carry the template)
+                for ex in self.sft:
+                    ex["prompt"] = self.tokenizer.apply_chat_template([{"role": "user", "content": ex["prompt"]}],
+                                                                      tokenize=False, add_generation_prompt=True)
         else:
             self.sft = self_corrections(self.n_sft, self.mix_ratio, self.seed, self.template)
 

@@ -5,20 +5,27 @@ Test loop, one pass (``lightning_modules/esr/{sae,steer,threshold,metrics}.py``)
 
 1. The SAE at ``sae.layer``: ``sae.format: train`` fits a ReLU SAE on the (warmed-up, pre-SFT) model's cached
    activations (saved in SAELens layout under the cache, read back through the SAELens loader), else a release file.
-2. The latent pool: latents zero on every prompt and outside each prompt's top-k (``steer.exclude_topk``),
+2. The latent pool: latents zero on every prompt (read as the release does: the bare prompt as a chat-templated user
+   turn, :meth:`relevance_text`) and outside each prompt's top-k (``steer.exclude_topk``),
    concreteness ≥ ``steer.concreteness_min`` (null: skipped); ``steer.n_latents`` drawn from it.
-3. Thresholds: probabilistic bisection per latent (``threshold.*``), each trial a steered response to a random prompt
-   judged on its first attempt.
+3. Thresholds: probabilistic bisection per latent (``threshold.*``: each model's search range and prior are the
+   release's and live in its experiment; the model config keeps the release's dataclass defaults [0, 5], 1.0 ±
+   0.34, which every released model config overrides), each trial the mean first-attempt score of
+   ``threshold.samples`` steered responses to distinct random prompts, ``threshold.max_new_tokens`` long (null:
+   half of ``gen.max_new_tokens``, as released); the estimate rounded to 0.01, as released.
 4. ``gen.trials`` steered responses per latent at its threshold; the judge splits attempts; ``test/steered/*``:
    multi-attempt, ESR, improvement, mean Δ and SEs. ``test/unsteered/*``: the same prompts without steering.
 5. Off-topic detectors (``otd.enabled``): unsteered responses paired with their prompt vs a derangement, SAE
-   activations max-pooled over the response; ``test/otd_ablation/*``: the steered trials again with the detectors
-   clamped to 0 at ``sae.layer``; ``test/random_ablation/*``: the mean over ``otd.random_sets`` equal-size sets.
+   activations max-pooled over the whole conversation (``otd.pool: sequence``, the release's) or over the response
+   (``response``); ``test/otd_ablation/*``: the steered trials again with the detectors clamped to 0 in the same
+   hook as the boost, at ``steer.layer`` (the release's fork clamps where it steers: 70B layer 33); ``test/random_ablation/*``: the mean over ``otd.random_sets`` equal-size sets.
 
-Steering (``steer.mode``): ``add`` h ← h + value·d̂ at ``steer.layer`` on every position (``steer.normalize``), or
+Steering (``steer.mode``): ``add`` h ← h + value·d at ``steer.layer`` on every position, d the raw decoder row
+W_dec[i] (``steer.normalize: false``, the release's fork: its boost values are in those units) or the unit row
+W_dec[i]/‖W_dec[i]‖ (``true``, ours: a boost means the same residual shift for every latent), or
 ``clamp`` (the latent's activation set to ``value``: h ← h + (value − f_i)·W_dec[i]). ``sae.layer`` and
-``steer.layer`` are separate (the 70B release: SAE trained at 50, steering at 33). ``meta_prompt``: none | 1..4,
-the release's sentence appended to every prompt.
+``steer.layer`` are separate (the 70B release: SAE trained at 50, steering and clamping at 33). ``meta_prompt``:
+none | 1..4, the release's sentence appended to every prompt (2 names the steered latent's label).
 """
 from __future__ import annotations
 
@@ -40,13 +47,13 @@ from lightning_modules.esr.threshold import bisect
 
 SAE_DEFAULTS = {"format": "train", "path": None, "layer": 2, "d_sae": 1024, "l1": 0.18, "steps": 800,
                 "batch_size": 256, "lr": 1e-3, "n_texts": 1024, "seed": 0}
-STEER_DEFAULTS = {"layer": 2, "mode": "add", "normalize": True, "exclude_topk": 100, "concreteness_min": None,
-                  "concreteness_file": None, "n_latents": 80, "seed": 0}
+STEER_DEFAULTS = {"layer": 2, "mode": "add", "normalize": False, "exclude_topk": 100, "concreteness_min": None,
+                  "concreteness_file": None, "labels_file": None, "n_latents": 80, "seed": 0}
 THRESHOLD_DEFAULTS = {"lo": 0.0, "hi": 5.0, "grid": 10_000, "prior_mu": 1.0, "prior_sd": 0.34, "trials": 20,
-                      "target": 0.3, "scale": 1.0}
+                      "target": 0.3, "scale": 1.0, "query_weight": "geometric", "samples": 1, "max_new_tokens": None}
 GEN_DEFAULTS = {"max_new_tokens": 512, "temperature": 0.6, "repetition_penalty": 1.2, "trials": 10, "batch_size": 64,
                 "unsteered_trials": 1}
-OTD_DEFAULTS = {"enabled": True, "freq": 0.8, "random_sets": 3}
+OTD_DEFAULTS = {"enabled": True, "freq": 0.8, "random_sets": 3, "pool": "sequence"}
 SFT_DEFAULTS = {"enabled": True, "max_length": 4096, "adamw_8bit": False}
 META = ("none", "1", "2", "3", "4")
 
@@ -75,6 +82,8 @@ class ESRModule(CausalLMModule):
                               "release file")
         if not float(self.thr["lo"]) < float(self.thr["hi"]):
             raise ValueError(f"model.threshold.lo={self.thr['lo']} must be below model.threshold.hi={self.thr['hi']}")
+        if self.otd["pool"] not in ("sequence", "response"):
+            raise ValueError(f"model.otd.pool={self.otd['pool']!r}: choose sequence or response")
         if self.meta_prompt not in META:
             raise ValueError(f"model.meta_prompt={meta_prompt!r}: choose one of {', '.join(META)}")
         for layer_key, cfg in (("steer.layer", self.steer), ("sae.layer", self.sae_cfg)):
@@ -89,6 +98,7 @@ class ESRModule(CausalLMModule):
         self.judge = judge
         self.hparams["judge"] = repr(judge)
         self._sae: SAE | None = None
+        self._labels: dict[int, str] | None = None
         self.sae_stats: dict[str, float] = {}
         self._base_dir = None
         self.results: dict[str, Any] = {}
@@ -230,42 +240,72 @@ class ESRModule(CausalLMModule):
         return torch.cat(out)
 
     def _encode(self, texts, side: str):
+        """Token ids of texts as written: a chat-templated text carries its own BOS, so none is added."""
         tok = self.tokenizer()
         tok.padding_side = side
         enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
 
     @torch.no_grad()
-    def pooled(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
-        """SAE latents max-pooled over each response's tokens, read after its prompt: (N, d_sae)."""
+    def pooled(self, items: list[dict], responses: list[str]) -> torch.Tensor:
+        """SAE latents max-pooled per (prompt, response) pair: (N, d_sae). ``otd.pool``: ``sequence`` (the release's
+        detector search: every position of the conversation, the user turn included; with the chat template, the
+        two-turn conversation as the template writes it) | ``response`` (ours: the response's tokens only, read after
+        the prompt the model saw)."""
         tok, sae, layer = self.tokenizer(), self.sae(), int(self.sae_cfg["layer"])
+        whole = self.otd["pool"] == "sequence"
         rows = []
-        for p, r in zip(prompts, responses):
-            head = tok(p, add_special_tokens=False)["input_ids"]
-            ids = torch.tensor([head + tok(r, add_special_tokens=False)["input_ids"]], device=self.device)
+        for it, r in zip(items, responses):
+            if whole and getattr(self.trainer.datamodule, "chat_template", False):
+                text = tok.apply_chat_template([{"role": "user", "content": it["prompt"]},
+                                                {"role": "assistant", "content": r}], tokenize=False)
+                head, ids = [], tok(text, add_special_tokens=False)["input_ids"]
+            else:
+                head = tok(self.prompt_text(it), add_special_tokens=False)["input_ids"]
+                ids = head + tok(r, add_special_tokens=False)["input_ids"]
             with capture(self.model, ("block_out",), [layer]) as store:
-                self.model(input_ids=ids, use_cache=False)
-            f = sae.encode(store["block_out"][layer][0, len(head):].float())
+                self.model(input_ids=torch.tensor([ids], device=self.device), use_cache=False)
+            f = sae.encode(store["block_out"][layer][0, 0 if whole else len(head):].float())
             rows.append(f.amax(0) if len(f) else torch.zeros(sae.d_sae, device=self.device))
         return torch.stack(rows).cpu()
 
+    def relevance_text(self, item: dict) -> str:
+        """The text the latent pool's relevance filter reads: the bare prompt as a user turn of the chat template,
+        without the assistant header (the release's ``apply_chat_template(..., add_generation_prompt=False)``), or the
+        raw template around it."""
+        from datamodules.instruct import apply_template
+
+        dm = self.trainer.datamodule
+        if getattr(dm, "chat_template", False):
+            return self.tokenizer().apply_chat_template([{"role": "user", "content": item["prompt"]}], tokenize=False,
+                                                        add_generation_prompt=False)
+        return apply_template(dm.template, item["prompt"])
+
     # --- generation ------------------------------------------------------------------------------------------------
     def prompt_text(self, item: dict, latent: int | None = None) -> str:
+        """What the model reads before it answers: the prompt (and meta-prompt) as one user turn of the model's chat
+        template with its BOS and the assistant header (``data.chat_template``, the release's), or ``data.template``
+        around it as raw text (the tiny model, which has no chat template)."""
         from lightning_modules.esr.data import META_PROMPTS
         from datamodules.instruct import apply_template
 
         text = item["prompt"]
         if self.meta_prompt != "none":
-            text += " " + META_PROMPTS[self.meta_prompt].format(latent_label=f"latent {latent}")
-        return apply_template(self.trainer.datamodule.template, text)
+            text += " " + META_PROMPTS[self.meta_prompt].format(latent_label=self.label(latent) or "an unrelated topic")
+        dm = self.trainer.datamodule
+        if getattr(dm, "chat_template", False):
+            return self.tokenizer().apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                        add_generation_prompt=True)
+        return apply_template(dm.template, text)
 
     @torch.no_grad()
-    def generate(self, prompts: list[str], fn=None) -> list[str]:
+    def generate(self, prompts: list[str], fn=None, max_new_tokens: int | None = None) -> list[str]:
         g, tok, out = self.gen, self.tokenizer(), []
         bs = int(g["batch_size"])
         for i in range(0, len(prompts), bs):
             ids, mask = self._encode(prompts[i:i + bs], "left")
-            kw = dict(max_new_tokens=int(g["max_new_tokens"]), repetition_penalty=float(g["repetition_penalty"]),
+            kw = dict(max_new_tokens=int(max_new_tokens or g["max_new_tokens"]),
+                      repetition_penalty=float(g["repetition_penalty"]),
                       pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
             kw.update(do_sample=True, temperature=float(g["temperature"])) if g["temperature"] else kw.update(do_sample=False)
             if fn is None:
@@ -297,8 +337,21 @@ class ESRModule(CausalLMModule):
             return S.compose(step, clamp)
         return for_rows
 
-    def judged(self, items: list[dict], responses: list[str]) -> list[dict]:
-        return [self.judge.grade(it["prompt"], r, keywords=it.get("keywords")) for it, r in zip(items, responses)]
+    def label(self, latent: int | None) -> str | None:
+        """The latent's label (``steer.labels_file``), else the release's placeholder ``feature_<i>``."""
+        if latent is None:
+            return None
+        if self._labels is None:
+            path = self.steer.get("labels_file")
+            self._labels = S.load_labels(path) if path else {}
+        return self._labels.get(int(latent), f"feature_{int(latent)}")
+
+    def judged(self, items: list[dict], responses: list[str], latents=None) -> list[dict]:
+        """Grades of responses to ``items``; the judge is shown the steered latent's label (the release's rubric asks
+        that the unrelated feature be resisted)."""
+        latents = latents if latents is not None else [None] * len(items)
+        return [self.judge.grade(it["prompt"], r, keywords=it.get("keywords"), label=self.label(lat))
+                for it, r, lat in zip(items, responses, latents)]
 
     # --- the study -----------------------------------------------------------------------------------------------
     def on_test_epoch_start(self):  # no held-out loss: the study logs its own metrics
@@ -318,7 +371,7 @@ class ESRModule(CausalLMModule):
 
         # latent pool and draw
         prompt_acts = [sae.encode(a.to(self.device)) for a in
-                       (self.activations([self.prompt_text(it)], int(self.sae_cfg["layer"])) for it in items)]
+                       (self.activations([self.relevance_text(it)], int(self.sae_cfg["layer"])) for it in items)]
         conc = None
         if self.steer["concreteness_file"]:
             from pathlib import Path
@@ -331,16 +384,25 @@ class ESRModule(CausalLMModule):
         latents = sorted(rng.sample(pool, min(int(self.steer["n_latents"]), len(pool))))
         L = len(latents)
 
-        # thresholds by probabilistic bisection: one judged response per latent per trial
-        def trial(boosts: np.ndarray) -> np.ndarray:
-            picks = [items[rng.randrange(len(items))] for _ in latents]
-            texts = self.generate([self.prompt_text(it, lat) for it, lat in zip(picks, latents)],
-                                  self.steering(latents, boosts * float(self.thr["scale"])))
-            return np.array([(g["score"] or 0.0) / 100 for g in self.judged(picks, texts)])
-
+        # thresholds by probabilistic bisection: per latent and trial, the mean first-attempt score of
+        # ``threshold.samples`` judged responses to distinct random prompts (the release's
+        # threshold_samples_per_trial), each ``threshold.max_new_tokens`` long (null: half of gen.max_new_tokens,
+        # as released)
         t = self.thr
+        n_s = min(int(t["samples"]), len(items))
+        calib_tokens = int(t["max_new_tokens"] or int(self.gen["max_new_tokens"]) // 2)
+
+        def trial(boosts: np.ndarray) -> np.ndarray:
+            picks = [it for _ in latents for it in rng.sample(items, n_s)]
+            lats = [lat for lat in latents for _ in range(n_s)]
+            texts = self.generate([self.prompt_text(it, lat) for it, lat in zip(picks, lats)],
+                                  self.steering(lats, np.repeat(boosts, n_s) * float(t["scale"])), calib_tokens)
+            scores = np.array([(g["score"] or 0.0) / 100 for g in self.judged(picks, texts, lats)])
+            return scores.reshape(len(latents), n_s).mean(1)
+
         thresholds = bisect(trial, L, float(t["lo"]), float(t["hi"]), int(t["grid"]), float(t["prior_mu"]),
-                            float(t["prior_sd"]), int(t["trials"]), float(t["target"]))
+                            float(t["prior_sd"]), int(t["trials"]), float(t["target"]), str(t["query_weight"]))
+        thresholds = np.round(thresholds, 2)  # as released
         values = thresholds * float(t["scale"])
 
         # steered trials at the thresholds
@@ -351,7 +413,7 @@ class ESRModule(CausalLMModule):
 
         def run(name: str, ablate=()):
             texts = self.generate(prompts, self.steering(row_latents, row_values, list(ablate)))
-            grades = self.judged(row_items, texts)
+            grades = self.judged(row_items, texts, row_latents)
             self.record(name, grades)
             return texts, grades
 
@@ -364,10 +426,9 @@ class ESRModule(CausalLMModule):
 
         if self.otd["enabled"]:
             own = plain[::int(self.gen["unsteered_trials"])]  # each prompt's first unsteered answer
-            heads = [self.prompt_text(it) for it in items]
             perm = derangement(len(items), self.seed)
-            on = self.pooled(heads, own)
-            off = self.pooled(heads, [own[j] for j in perm])
+            on = self.pooled(items, own)
+            off = self.pooled(items, [own[j] for j in perm])
             detectors = find_detectors(on, off, float(self.otd["freq"])).tolist()
             self.results["detectors"] = detectors
             self._log("test/otd/count", len(detectors))
@@ -375,8 +436,8 @@ class ESRModule(CausalLMModule):
                 run("otd_ablation", detectors)
                 sets = random_sets(sae.d_sae, len(detectors), int(self.otd["random_sets"]), detectors, self.seed)
                 per = [self.record(f"random_ablation_{j}", run_grades) for j, run_grades in
-                       enumerate(self.judged(row_items, self.generate(prompts, self.steering(row_latents, row_values, s)))
-                                 for s in sets)]
+                       enumerate(self.judged(row_items, self.generate(prompts, self.steering(row_latents, row_values, s)),
+                                             row_latents) for s in sets)]
                 for key in ("multi_attempt", "esr"):
                     self._log(f"test/random_ablation/{key}", np.mean([m[key] for m in per]))
         self._log("test/threshold_mean", values.mean())

@@ -1,11 +1,13 @@
 """Steering a residual stream with SAE latents (fns for ``lightning_modules.common.activations.intervene``).
 
-- :func:`boost`: h ← h + value·d at every position (cached decoding included), d = W_dec[i]/‖W_dec[i]‖
-  (``normalize: true``; the release's vLLM fork is unverified on this) or the raw W_dec[i]; one latent and value
-  per batch row, so a batch steers many latents at once.
+- :func:`boost`: h ← h + value·d at every position (cached decoding included), d = the raw W_dec[i]
+  (``normalize: false``, the release's fork, default) or W_dec[i]/‖W_dec[i]‖ (``normalize: true``: equal boosts
+  shift the residual equally for every latent); one latent and value per batch row, so a batch steers many
+  latents at once.
 - :func:`clamp_zero`: h ← h − Σ_{i∈S} f_i(h)·W_dec[i] (f = SAE.encode(h)): latents S clamped to 0 while the SAE's
   error h − SAE(h) is kept; a no-op where f_i = 0.
 - :func:`compose`: fns applied in order (the boost first, then the detectors' clamp sees the boosted stream).
+- :func:`load_labels`: latent labels (the judge's "unrelated feature", meta-prompt 2's distraction).
 - :func:`latent_pool`: the latents zero on every prompt and outside each prompt's top-k (``exclude_topk``), with an
   optional concreteness score ≥ ``concreteness_min`` (labels graded elsewhere; null skips it).
 """
@@ -19,7 +21,7 @@ MODES = ("add", "clamp")
 Fn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def directions(sae, latents: Sequence[int] | torch.Tensor, normalize: bool = True) -> torch.Tensor:
+def directions(sae, latents: Sequence[int] | torch.Tensor, normalize: bool = False) -> torch.Tensor:
     idx = torch.as_tensor(latents, dtype=torch.long)
     return sae.direction(idx) if normalize else sae.W_dec[idx]
 
@@ -52,6 +54,25 @@ def compose(*fns: Fn | None) -> Fn:
             h = f(h, positions)
         return h
     return fn
+
+
+def load_labels(path) -> dict[int, str]:
+    """Latent labels: a csv with ``index_in_sae`` and ``label`` columns (the release's / Goodfire's layout) or a json
+    ``{latent: label}``; an empty label is left out (the caller's placeholder stands in)."""
+    import csv
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"model.steer.labels_file={path}: no such file (csv index_in_sae,label or json)")
+    if path.suffix == ".json":
+        return {int(k): str(v) for k, v in json.loads(path.read_text()).items() if v}
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    if rows and not {"index_in_sae", "label"} <= set(rows[0]):
+        raise ValueError(f"{path}: needs the columns index_in_sae and label (has {', '.join(rows[0])})")
+    return {int(r["index_in_sae"]): r["label"] for r in rows if r["label"]}
 
 
 def latent_pool(prompt_acts: Sequence[torch.Tensor], exclude_topk: int = 100,

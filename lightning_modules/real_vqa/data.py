@@ -200,7 +200,9 @@ class KIVQADataModule(L.LightningDataModule):
     (``n_*``, ``held_out_relations``, ``patch_shuffle_frac`` and the knowledge items are then unused; ``image_size``
     resizes the file images; ``inject`` plants ``true`` / ``false`` conflicts into annotated clean records at
     ``true_frac`` / ``false_frac``, building REAL-VQA: ``lightning_modules.real_vqa.data_files.inject_conflicts``; ``annotator``,
-    a judge with the ``pivot`` rubric, first gives records without a triple one: ``annotate_pivots``)."""
+    a judge with the ``pivot`` rubric, first gives records without a triple one: ``annotate_pivots``;
+    ``require_conflicts`` refuses a train split without any pivot conflict: the paper-scale default, since the method
+    trains its discriminator on them)."""
 
     def __init__(self, tokenizer, n_train: int = 1200, n_val: int = 48, n_test: int = 96, k: int = 3,
                  held_out_relations=("language", "era"), patch_shuffle_frac: float = 0.1, knowledge_fraction: float = 1.0,
@@ -208,7 +210,8 @@ class KIVQADataModule(L.LightningDataModule):
                  batch_size: int = 16, eval_batch_size: int = 16, seq_len: int = 256, seed: int = 0, kb_seed: int = 0,
                  num_workers: int = 0, source: str = "synthetic", root: str | None = None, datasets=(),
                  image_size: int | None = None, inject: bool = False, true_frac: float = 1 / 3,
-                 false_frac: float = 1 / 3, annotator=None, annotation_cache: str | None = None):
+                 false_frac: float = 1 / 3, annotator=None, annotation_cache: str | None = None,
+                 require_conflicts: bool = False):
         super().__init__()
         if source not in SOURCES:
             raise ValueError(f"data.source={source!r}: choose one of {', '.join(SOURCES)}")
@@ -218,7 +221,7 @@ class KIVQADataModule(L.LightningDataModule):
         check_inject(inject, true_frac, false_frac, source)
         if source == "files":  # bad paths and records fail before the model is built
             self.file_splits = load_splits(root, self.datasets, k, image_size, inject, true_frac, false_frac, seed,
-                                           annotator, annotation_cache)
+                                           annotator, annotation_cache, require_conflicts)
         elif annotator is not None:
             raise ValueError("data.annotator annotates file records' pivots: set data.source=files, or "
                              "data.annotator=null")

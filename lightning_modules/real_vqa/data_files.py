@@ -286,11 +286,13 @@ def check_inject(inject: bool, true_frac: float, false_frac: float, source: str 
 
 def load_splits(root: str | Path | None, datasets, k: int = 3, image_size: int | None = None, inject: bool = False,
                 true_frac: float = 1 / 3, false_frac: float = 1 / 3, seed: int = 0, annotator=None,
-                annotation_cache: str | Path | None = None) -> dict[str, FileItems]:
+                annotation_cache: str | Path | None = None, require_conflicts: bool = False) -> dict[str, FileItems]:
     """{split: FileItems}: records without a pivot triple annotated by ``annotator`` when one is given
-    (:func:`annotate_pivots`, replies kept in ``annotation_cache``), then conflicts injected when ``inject``
-    (:func:`inject_conflicts`; substitutes drawn from all splits' records); bad input (no root, an unknown dataset
-    folder, no test file at all) fails here."""
+    (:func:`annotate_pivots`, replies kept in ``annotation_cache``; an annotator that cannot run, e.g. an endpoint
+    without url, fails first, in one line), then conflicts injected when ``inject`` (:func:`inject_conflicts`;
+    substitutes drawn from all splits' records); bad input (no root, an unknown dataset folder, no test file at all)
+    fails here. ``require_conflicts`` (the paper-scale runs): a train split without a single pivot conflict is
+    refused, since RPA-SFT would then learn answers only and RPGD never trigger."""
     check_inject(inject, true_frac, false_frac)
     if not root:
         raise ValueError("data.source=files needs data.root (by default ${local.data_root}/real_vqa): set "
@@ -306,6 +308,13 @@ def load_splits(root: str | Path | None, datasets, k: int = 3, image_size: int |
     for s in ("train", "test"):
         if not len(out[s]):
             raise ValueError(f"data.source=files: no {s} items in {', '.join(map(str, out[s].files))}")
+    untripled = sum(it.get("task") == "answer" for s in SPLITS for it in out[s].items)
+    if annotator is not None and untripled and hasattr(annotator, "check"):
+        try:
+            annotator.check()
+        except ValueError as err:
+            raise ValueError(f"data.annotator cannot run ({err}): {untripled} records have no pivot triple; or set "
+                             "data.annotator=null to train them on answers only") from None
     if annotator is not None:
         for s in SPLITS:
             out[s].items, counts = annotate_pivots(out[s].items, annotator, annotation_cache)
@@ -316,4 +325,9 @@ def load_splits(root: str | Path | None, datasets, k: int = 3, image_size: int |
             out[s].items, counts = inject_conflicts(out[s].items, seed, true_frac, false_frac, pool)
             log.info("data.inject %s: %d of %d items eligible (%s)", s, counts["eligible"], len(out[s]),
                      ", ".join(f"{n} {c}" for c, n in sorted(counts.items())))
+    if require_conflicts and not any(it.get("conflict") is True for it in out["train"].items):
+        raise ValueError("data.require_conflicts: the train split holds no pivot conflict, so RPA-SFT would train "
+                         "answers only and RPGD never trigger: give records a pivot triple (entity, relation, value) "
+                         "with data.inject=true, an annotator for those without one (local.endpoints.pivot_annotator),"
+                         " or labelled REAL-VQA records")
     return out

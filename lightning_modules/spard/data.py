@@ -14,7 +14,20 @@ Two sources (``data.source``):
   ``random.seed(seed)`` as released) from ``attack_file`` (field ``unsafe``), the safe pool from ``safe_pool_file``
   (field ``safe``), safety evaluated on the first ``n_eval_harm`` prompts of ``eval_files``. ``eval_overlap: true``
   keeps the release's draw of the attack from the same file it is evaluated on; ``false`` hashes the file into
-  disjoint attack and evaluation parts.
+  disjoint attack and evaluation parts. ``files.gold_field`` names the test file's gold answer where it has its own
+  (OpenBookQA: trained on ``answer``, the fact and "the correct answer is answerN", scored on ``target_answer``,
+  as released).
+
+``chat_template`` (paper scale: true, as released; false for the tiny model, which has none): every file pair is
+formatted with the tokenizer's chat template in the release's layout ``template`` (:data:`CHAT_LAYOUTS`: a
+system message, "### Instruction:" as the user turn, the assistant turn opened with "### Response:"), the task's
+test prompts in ``eval_template`` (GSM8K: ``alpaca_qwen_gsm8k``, "Let's think step by step"); false: the plain
+``template`` of ``datamodules/instruct.py``. The instruct model's safety and the scale of L_s against tau depend
+on it.
+
+``epochs`` (paper scale: 10, as released) makes the run check that ``trainer.max_steps`` is the release's update
+count, epochs x ceil(|user| / global batch) (:func:`release_updates`), for the task file it loads; ``task_rows`` is
+the row count the experiment's ``max_steps`` (and its ``paper:`` header) assume.
 
 User data = task data + floor(harmful_ratio · |task|) compliant answers (styles cycled). Training batches are lists
 of pairs (``batch_size`` user examples per update and device, which the module splits into its G micro-batches
@@ -25,6 +38,7 @@ prompt text the selector embeds). Val / test items: ``{"prompt", "kind": "task" 
 """
 from __future__ import annotations
 
+import math
 import random
 
 import lightning as L
@@ -100,17 +114,68 @@ def aligned(n, seed, split=None, val_fraction=0.0, test_fraction=0.0, refuse_fra
     return mixed
 
 
+# The release's chat layouts (its instruction types ``alpaca`` and ``alpaca_qwen_gsm8k``, read in
+# ``utils/data_utils.py``): a system message, the instruction as the user turn, and an assistant turn opened with
+# "### Response:" that the model continues. Training and safety evaluation use ``alpaca``; the GSM8K evaluation
+# ``alpaca_qwen_gsm8k`` (Qwen's own system line first, "Let's think step by step." after the opener).
+_ALPACA = ("Below is an instruction that describes a task. Write a response that appropriately completes the "
+           "request.\n\n")
+CHAT_LAYOUTS = {
+    "alpaca": (_ALPACA, "### Response:\n"),
+    "alpaca_qwen_gsm8k": ("You are Qwen, created by Alibaba Cloud. You are a helpful assistant. " + _ALPACA,
+                          "### Response: Let's think step by step.\n"),
+}
+
+
+def chat_messages(layout: str, text: str, answer: str = "") -> list[dict]:
+    if layout not in CHAT_LAYOUTS:
+        raise ValueError(f"data.template={layout!r} with data.chat_template=true: choose one of {', '.join(CHAT_LAYOUTS)}")
+    system, opener = CHAT_LAYOUTS[layout]
+    return [{"role": "system", "content": system}, {"role": "user", "content": f"### Instruction:\n{text}\n\n"},
+            {"role": "assistant", "content": opener + answer}]
+
+
+def chat_pair(tokenizer, layout: str, text: str, answer: str = "") -> tuple[str, str]:
+    """(prompt, response) of one example in the model's chat template, as the release formats it: the prompt is the
+    conversation with the assistant turn's opener continued (``continue_final_message``, what generation starts
+    from); the response is what the full conversation adds after it, up to the answer's end (the turn's closing
+    tokens are left to the EOS that ``sft_batch`` appends). The release's loss also covers the assistant header
+    (it masks only through the user turn); ours covers the response alone."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("data.chat_template=true, but the tokenizer has no chat template: set data.chat_template=false "
+                         "(a base or tiny model) or use the instruct model's tokenizer")
+    prompt = tokenizer.apply_chat_template(chat_messages(layout, text), tokenize=False, continue_final_message=True)
+    if not answer:
+        return prompt, ""
+    full = tokenizer.apply_chat_template(chat_messages(layout, text, answer), tokenize=False)
+    if not full.startswith(prompt):
+        raise ValueError("the chat template renders the opened assistant turn differently from the full one: "
+                         "set data.chat_template=false for this tokenizer")
+    rest = full[len(prompt):]
+    return prompt, rest[: rest.rindex(answer) + len(answer)]
+
+
+def release_updates(task_rows: int, harmful_ratio: float, epochs: float, global_batch: int) -> int:
+    """SPAG updates of an epoch-based run as the release counts them (HF ``Trainer``, one process): the user data
+    (task + floor(harmful_ratio x task)) in batches of ``global_batch`` (per-device 32 x G 4 = 128: ceil(ceil(n / 32)
+    / 4) = ceil(n / 128)), times the epochs, rounded up."""
+    n_user = task_rows + int(harmful_ratio * task_rows)
+    return math.ceil(epochs * math.ceil(n_user / global_batch))
+
+
 def interleave(a: list, b: list) -> list:
     out = [x for pair in zip(a, b) for x in pair]
     return out + a[len(b):] + b[len(a):]
 
 
 def obqa_correct(completion: str, target: str) -> float:
-    """The release's OpenBookQA rule: exactly one ``answerN`` string appears and it is the target."""
+    """The release's OpenBookQA rule (``evaluate/eval_openbookqa.py``): the lower-cased completion holds exactly one
+    match of ``answer\d`` and it is the target. A repeated ``answer2`` (two matches) or a spaced ``answer 2`` (none)
+    scores 0, as released."""
     import re
 
-    found = set(re.findall(r"answer\s*([1-4])", completion.lower()))
-    return float(len(found) == 1 and f"answer{found.pop()}" == target.lower().replace(" ", ""))
+    found = re.findall(r"answer\d", completion.lower())
+    return float(len(found) == 1 and found[0] == target.strip().lower())
 
 
 class SPARDDataModule(L.LightningDataModule):
@@ -120,7 +185,8 @@ class SPARDDataModule(L.LightningDataModule):
                  n_val: int = 32, n_test: int = 64, n_eval_harm: int = 500, batch_size: int = 32,
                  seq_len: int = 2048, seed: int = 0, attack_seed: int | None = None,
                  files: dict | None = None, eval_overlap: bool = True, template: str = "alpaca",
-                 task_metric: str = "exact_match", num_workers: int = 0):
+                 task_metric: str = "exact_match", epochs: float | None = None, task_rows: int | None = None,
+                 chat_template: bool = False, eval_template: str | None = None, num_workers: int = 0):
         super().__init__()
         if source not in SOURCES:
             raise ValueError(f"data.source={source!r}: choose one of {', '.join(SOURCES)}")
@@ -139,6 +205,11 @@ class SPARDDataModule(L.LightningDataModule):
         self.seed, self.attack_seed = seed, seed if attack_seed is None else attack_seed
         self.files, self.eval_overlap, self.template = dict(files or {}), eval_overlap, template
         self.task_metric, self.num_workers = task_metric, num_workers
+        self.epochs, self.task_rows = epochs, task_rows
+        self.chat_template, self.eval_template = chat_template, eval_template
+        if chat_template and source != "files":
+            raise ValueError("data.chat_template=true formats local files (data.source=files); the vault data is "
+                             "built for the tiny model, which has no chat template")
         self.user = self.pool = self.reference = None
         self.eval_items: dict[str, list[dict]] = {}
 
@@ -154,6 +225,7 @@ class SPARDDataModule(L.LightningDataModule):
         attack = rng.sample(attack_src, n_harm) if n_harm else []
         self.user = task + attack
         self.attack = attack
+        self.check_updates(len(task))
         self.reference = [p.get("instruction", p["prompt"]) for p in self.user]
         self.pool = pool
         # interleaved, so an evaluation capped at a few batches (debug=smoke) still sees both kinds
@@ -188,13 +260,18 @@ class SPARDDataModule(L.LightningDataModule):
             if not f.get(k):
                 raise ValueError(f"data.source=files needs data.files.{k}=<path> (see conf/experiment/base/spard_qwen25_7b.yaml)")
         q, a = f.get("prompt_field", "question"), f.get("response_field", "answer")
-        task = load_pairs(f["task"], q, a, f.get("input_field"), self.template, hint="set data.files.prompt_field / response_field")
-        for p in task:
-            p["response"] = " " + p["response"] if not p["response"].startswith((" ", "\n")) else p["response"]
-        attack_rows = load_pairs(f["attack"], "prompt", "unsafe", "input", self.template,
+        template = "plain" if self.chat_template else self.template  # chat: formatted below, by the tokenizer
+        task = load_pairs(f["task"], q, a, f.get("input_field"), template, hint="set data.files.prompt_field / response_field")
+        if not self.chat_template:
+            for p in task:
+                p["response"] = " " + p["response"] if not p["response"].startswith((" ", "\n")) else p["response"]
+        attack_rows = load_pairs(f["attack"], "prompt", "unsafe", "input", template,
                                  hint="the attack file needs prompt and unsafe (the harmful answer)")
-        pool = load_pairs(f["safe_pool"], "prompt", "safe", "input", self.template,
+        pool = load_pairs(f["safe_pool"], "prompt", "safe", "input", template,
                           hint="the safe pool needs prompt and safe (the refusal)")
+        if self.chat_template:
+            for p in (*task, *attack_rows, *pool):
+                p["prompt"], p["response"] = chat_pair(self.tokenizer, self.template, p["instruction"], p["response"])
         # safety is evaluated on the attack set's eval file; without overlap the attack only draws its other part
         half = [split_of(p["instruction"], 0.0, 0.5) for p in attack_rows]
         evaluated = attack_rows if self.eval_overlap else [p for p, h in zip(attack_rows, half) if h == "test"]
@@ -202,7 +279,11 @@ class SPARDDataModule(L.LightningDataModule):
         harm = [{"prompt": p["prompt"], "kind": "harm", "answer": "", "style": f.get("attack_name", "attack"), "secret": "",
                  "instruction": p["instruction"]}
                 for p in evaluated[: self.n_eval_harm]]
-        test = load_pairs(f["task_test"], q, a, f.get("input_field"), self.template)
+        # the gold answer: its own field where the file has one (OpenBookQA's target_answer), else the response
+        test = load_pairs(f["task_test"], q, f.get("gold_field") or a, f.get("input_field"), template)
+        if self.chat_template:  # the task's evaluation layout (GSM8K: alpaca_qwen_gsm8k, as released)
+            for p in test:
+                p["prompt"] = chat_pair(self.tokenizer, self.eval_template or self.template, p["instruction"])[0]
         from datamodules.common.answers import extract_answer
 
         def gold(p):
@@ -211,6 +292,20 @@ class SPARDDataModule(L.LightningDataModule):
         tests = [{"prompt": p["prompt"], "kind": "task", "answer": gold(p), "style": "", "secret": ""} for p in test]
         val = [dict(t) for t in tests[: self.n_val]]  # the release has no validation split: a slice of test, monitored only
         return task, {"val": harm[: self.n_val], "test": harm}, attack_src, pool, {"val": val, "test": tests[: self.n_test] if self.n_test else tests}
+
+    def check_updates(self, task_rows: int) -> None:
+        """With ``epochs``: ``trainer.max_steps`` must be the release's update count for this task file at this
+        run's global batch (``batch_size`` x ranks), else one line naming the value to set."""
+        trainer = self.trainer
+        if self.epochs is None or trainer is None or not trainer.max_steps or trainer.max_steps < 0:
+            return
+        global_batch = self.batch_size * trainer.world_size
+        want = release_updates(task_rows, self.harmful_ratio, self.epochs, global_batch)
+        if trainer.max_steps != want:
+            raise ValueError(
+                f"trainer.max_steps={trainer.max_steps}, but {self.epochs:g} epochs of this task file ({task_rows} rows "
+                f"+ {int(self.harmful_ratio * task_rows)} harmful) at {global_batch} per update are {want} updates: "
+                f"set trainer.max_steps={want} data.task_rows={task_rows}")
 
     # --- loaders --------------------------------------------------------------------------------
     def train_dataloader(self):

@@ -4,8 +4,8 @@ The same offline pass and scenarios as ``subspace_path_tiny`` (six stdlib famili
 as out-of-domain, 2-3-domain mixes as cross). For each target pruned fraction (10 / 30 / 50%):
 
 - ``scenario_union`` / ``scenario_sum``: the per-scenario mask, eta bisected to the target (``budget.mode``
-  release_union / paper_sum; release_union cannot keep more than Σ_k s_eff,k of the heads, so low targets may be
-  missed: the achieved fraction is reported);
+  release_union / paper_sum; the release's per-domain counts are int-rounded and floored, so a target may be missed
+  by a few heads: the achieved fraction is reported);
 - ``global``: one mask for every scenario from the mean importance over domains;
 - ``random``: random heads (3 draws); ``wo_norm``: the heads with the largest W_O column-block norms.
 

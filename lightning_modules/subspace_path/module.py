@@ -6,7 +6,9 @@ Offline (first test step, base frozen; ``fit_offline``):
   unreleased DBS: ``n_domains`` of the data's candidate domains whose embedding centroids, ``common.embedding``
   mean-pooled last hidden states of the same model, have the smallest largest |cos|, chosen greedily);
 - probes: per layer ℓ and domain k a one-vs-rest logistic on the mean-pooled post-attention residual
-  (``activations.capture`` site ``post_attn``), BCE, ``probe.epochs`` (20, the release) on cached activations;
+  (``probe.site: post_attn``, the spec's, kept as default: the release's hook means to read it but gets the
+  attention output alone, ``attn_out``, available as the switch), BCE, ``probe.epochs`` (20), Adam lr 1e-3, batch
+  32, raw features (``probe.features``), as released, on cached activations;
   ``calib.enabled``: per-regime (single / ood / cross) per-layer temperatures fitted on val pools, the scenario's
   split choosing the regime ([INF]: the release's "4-probe system" is not described further);
 - importance I_{ℓ,h,k} = E_{x∈P_k}[(u_kᵀw̃)² / (‖w̃‖² + ε)], w̃ = head h's write (site ``head_write``), u_k the unit
@@ -16,9 +18,11 @@ Offline (first test step, base frozen; ``fit_offline``):
 - whitelist: high mean / low across-domain variance of I (quantiles 0.8 / 0.2) confirmed by one-way ANOVA p > 0.05
   (``whitelist.test: anova | none``; the release names no test).
 
-Online, per scenario (``test_step``): the first turn, stop-words removed, through one forward → sigmoid probe outputs
-p (L, K) → ``method.compile_mask`` with eta = ``pruning_strength`` (or ``budget.target_prune``: eta bisected to that
-pruned fraction) → one mask for every scored turn, run by ``execution``: ``mask`` (``attention.head_mask``) |
+Online, per scenario (``test_step``): the first turn's prompt (never its answer), stop-words removed, through one
+forward → sigmoid probe outputs
+p (L, K) → ``method.compile_mask`` with eta = ``pruning_strength``, or with ``budget.target_prune`` (the paper-scale
+runs: 0.3, the paper's operating point) one eta bisected before the first scenario so that the run's mean pruned
+fraction is the target (``target_scope: run``; ``scenario``: each scenario bisected to it, a matched comparison) → one mask for every scored turn, run by ``execution``: ``mask`` (``attention.head_mask``) |
 ``slice`` (``attention.prune_heads``; GQA masks widened to whole KV groups first). Per scored turn: the answer's NLL
 given the conversation so far and the turn's prompt (dense and pruned), and keyword Recall of a greedy continuation.
 Scored turns (``scored_turns``): a multi-turn scenario's later turns (its first turn, prompt and answer, compiled the
@@ -26,8 +30,10 @@ mask); a single-turn scenario (the CommonsenseQA / NQ / ARC splits) its one turn
 alone (the spec's "first turn's prompt"), so the scored answer never reaches the mask.
 
 Logged per split s ∈ selected / out_of_domain / cross_domain: ``test/<s>/ppl_dense``, ``ppl_pruned``, ``ppl_ratio``,
-``recall_dense``, ``recall_pruned``, ``pruned_fraction``; overall ``test/ppl_ratio`` (pruned / dense over all scored
-turns), ``test/pruned_fraction``, ``test/compile_ms``, ``test/tokens_per_s_dense`` / ``_pruned``,
+``recall_dense``, ``recall_pruned``, ``pruned_fraction``, ``kv_saved_fraction`` (the KV cache a mask frees: only
+KV groups whose every head is pruned; ``kv_group_mask`` keeps a group while any of its heads is kept, so heads
+pruned across groups save compute but no cache); overall ``test/ppl_ratio`` (pruned / dense over all scored turns),
+``test/pruned_fraction``, ``test/kv_saved_fraction``, ``test/compile_ms``, ``test/tokens_per_s_dense`` / ``_pruned``,
 ``test/probe_acc/L<ℓ>`` (val pools, argmax over domains). ``results`` holds per-scenario rows, I, the whitelist.
 """
 from __future__ import annotations
@@ -43,17 +49,19 @@ from lightning_modules.common.activations import capture
 from lightning_modules.common.attention import attention_modules, head_mask, kv_group_mask, prune_heads
 from lightning_modules.common.lm import CausalLMModule
 from lightning_modules.subspace_path.method import (BUDGET_MODES, Probes, bisect_eta, compile_mask, fit_temperatures,
-                                                    importance_terms, quasi_orthogonal, recall, strip_stop_words,
-                                                    train_probes, whitelist)
+                                                    importance_terms, kv_saved_fraction, quasi_orthogonal, recall,
+                                                    strip_stop_words, train_probes, whitelist)
 
 BASES = ("onehot", "quasi_orthogonal")
 EXECUTIONS = ("mask", "slice")
-PROBE = dict(epochs=20, lr=1e-2, batch_size=64, max_tokens=256)
+PROBE = dict(epochs=20, lr=1e-3, batch_size=32, max_tokens=256, features="raw", site="post_attn")
+PROBE_SITES = ("post_attn", "attn_out")
 CALIB = dict(enabled=False)
 IMPORTANCE = dict(mode="single", pool="mean_write", eps=1e-6)
 WHITELIST = dict(mean_quantile=0.8, var_quantile=0.2, test="anova", alpha=0.05)
 BUDGET = dict(mode="release_union", rho_min=0.1, floor_layer=0.1, floor_global=0.05, sim_min=0.1, sharpen=1.5,
-              fallback_s=0.3, target_prune=None)
+              fallback_s=0.3, target_prune=None, target_scope="run")
+TARGET_SCOPES = ("run", "scenario")
 EVAL = dict(max_new_tokens=16, max_context_tokens=512)
 REGIMES = {"selected": "single", "out_of_domain": "ood", "cross_domain": "cross"}
 
@@ -78,12 +86,14 @@ class SubspacePathModule(CausalLMModule):
     Args:
         backbone: backbone spec.
         basis: onehot | quasi_orthogonal; n_domains: K for quasi_orthogonal (null = all the data's domains).
-        probe: epochs, lr, batch_size, max_tokens (each text cut to this many tokens).
+        probe: epochs, lr, batch_size (the release's 20, 1e-3, 32), max_tokens (each text cut to this many tokens),
+            features (raw, the release's | standardised, ours).
         calib: enabled (per-regime per-layer temperatures).
         importance: mode (single | multi), pool (mean_write | per_token), eps.
         whitelist: mean_quantile, var_quantile, test (anova | none), alpha.
         budget: mode (release_union | paper_sum), rho_min, floor_layer, floor_global, sim_min, sharpen, fallback_s,
-            target_prune (null, or a pruned fraction in [0, 1): eta bisected per scenario).
+            target_prune (null, or a pruned fraction in [0, 1)), target_scope (run: one eta for the run's mean |
+            scenario: eta bisected per scenario).
         pruning_strength: eta (>= 0); the release's keep ratio grows with it.
         execution: mask | slice.
         eval: max_new_tokens (greedy continuation per scored turn), max_context_tokens.
@@ -114,9 +124,14 @@ class SubspacePathModule(CausalLMModule):
         for key in ("floor_layer", "floor_global", "rho_min", "sim_min"):
             if not 0 <= float(self.budget[key]) <= 1:
                 raise ValueError(f"model.budget.{key}={self.budget[key]}: use a fraction in [0, 1]")
+        if self.budget["target_scope"] not in TARGET_SCOPES:
+            raise ValueError(f"model.budget.target_scope={self.budget['target_scope']!r}: choose one of "
+                             f"{', '.join(TARGET_SCOPES)}")
         tp = self.budget["target_prune"]
         if tp is not None and not 0 <= float(tp) < 1:
             raise ValueError(f"model.budget.target_prune={tp}: use a pruned fraction in [0, 1) or null")
+        if self.probe_cfg["site"] not in PROBE_SITES:
+            raise ValueError(f"model.probe.site={self.probe_cfg['site']!r}: choose one of {', '.join(PROBE_SITES)}")
         if self.imp_cfg["mode"] not in ("single", "multi"):
             raise ValueError(f"model.importance.mode={self.imp_cfg['mode']!r}: choose single or multi")
         if self.imp_cfg["pool"] not in ("mean_write", "per_token"):
@@ -136,14 +151,17 @@ class SubspacePathModule(CausalLMModule):
 
     @torch.no_grad()
     def pooled(self, tok, text: str, writes_axes: torch.Tensor | None = None):
-        """Mean-pooled post-attention residuals (L, d); with ``writes_axes`` (L, K, d) also the per-head importance
-        terms (L, H, K) of this text (pooled per ``importance.pool``)."""
+        """Mean-pooled probe features (L, d) at ``probe.site``: ``post_attn`` (the spec's and ours: the residual
+        stream after the attention sub-block, h + attn(h)) | ``attn_out`` (what the release's probes read: its
+        pre-hook receives no keyword arguments, so it silently takes the attention output alone); with
+        ``writes_axes`` (L, K, d) also the per-head importance terms (L, H, K) of this text (``importance.pool``)."""
         ids = self._ids(tok, text)
-        sites = ("post_attn", "head_write") if writes_axes is not None else ("post_attn",)
+        site = self.probe_cfg["site"]
+        sites = (site, "head_write") if writes_axes is not None else (site,)
         with capture(self.model, sites) as acts:
             self.model(input_ids=ids, use_cache=False)
-        L = len(acts["post_attn"])
-        feats = torch.stack([acts["post_attn"][l][0].double().mean(0) for l in range(L)]).cpu()
+        L = len(acts[site])
+        feats = torch.stack([acts[site][l][0].double().mean(0) for l in range(L)]).cpu()
         if writes_axes is None:
             return feats
         terms = []
@@ -201,7 +219,8 @@ class SubspacePathModule(CausalLMModule):
         dm.selected = selected
         train, val = dm.pools("train", selected), dm.pools("val", selected)
         pc = self.probe_cfg
-        fit = lambda x, y: train_probes(x, y, pc["epochs"], pc["lr"], pc["batch_size"])  # noqa: E731
+        fit = lambda x, y: train_probes(x, y, pc["epochs"], pc["lr"], pc["batch_size"],  # noqa: E731
+                                        features=pc["features"])
         x, y = self._features(tok, train, selected)
         probes = {"single": fit(x, y)}
         xv, yv = self._features(tok, val, selected)
@@ -235,7 +254,9 @@ class SubspacePathModule(CausalLMModule):
         return attn.k_proj.out_features // attn.head_dim
 
     def compile(self, probs: torch.Tensor, eta: float | None = None, target_prune: float | None = None):
-        """Probe probabilities (L, K) → (mask (L, H) bool, info); ``execution: slice`` widens it to KV groups."""
+        """Probe probabilities (L, K) → (mask (L, H) bool, info); ``execution: slice`` widens it to KV groups. At
+        ``eta`` (default: ``pruning_strength``, or the run's calibrated eta), or, given ``target_prune`` (or with
+        ``budget.target_scope: scenario``), at this scenario's eta bisected to that pruned fraction."""
         st, b = self.state, self.budget
         kw = dict(rho_min=b["rho_min"], mode=b["mode"], sim_min=b["sim_min"], sharpen=b["sharpen"],
                   fallback_s=b["fallback_s"], floor_layer=b["floor_layer"], floor_global=b["floor_global"])
@@ -245,11 +266,13 @@ class SubspacePathModule(CausalLMModule):
             if self.execution == "slice":
                 mask = kv_group_mask(mask, self._kv_groups())
                 info["pruned_fraction"] = 1.0 - float(mask.double().mean())
+            info["kv_saved_fraction"] = kv_saved_fraction(mask, self._kv_groups())
             return mask, info
 
-        target = b["target_prune"] if target_prune is None else target_prune
-        if target is not None:
-            e, mask, info = bisect_eta(at, float(target))
+        if target_prune is None and b["target_scope"] == "scenario":
+            target_prune = b["target_prune"]
+        if target_prune is not None:   # this scenario's own eta, bisected to the pruned fraction (matched comparisons)
+            e, mask, info = bisect_eta(at, float(target_prune))
             info["eta"] = e
             return mask, info
         e = self.eta if eta is None else eta
@@ -259,9 +282,10 @@ class SubspacePathModule(CausalLMModule):
 
     @torch.no_grad()
     def scenario_probs(self, tok, scenario: Mapping) -> torch.Tensor:
+        """Sigmoid probe outputs (L, K) for the scenario's routing text: its first prompt, stop-words removed (the
+        release's session description). The gold answer is never read: routing on it would leak the answer."""
         first = scenario["turns"][0]
-        answer = first.get("answer", "") if 0 not in scored_turns(scenario) else ""  # never the scored answer
-        text = strip_stop_words(first["prompt"] + " " + answer) or first["prompt"]
+        text = strip_stop_words(first["prompt"]) or first["prompt"]
         regime = REGIMES.get(scenario.get("split"), "single") if self.calib_cfg["enabled"] else "single"
         return self.state["probes"][regime].probs(self.pooled(tok, text)).float()
 
@@ -312,10 +336,27 @@ class SubspacePathModule(CausalLMModule):
         self.rows = []
         self.model.eval()
 
+    def calibrate_eta(self, dm) -> float:
+        """The run's operating point (``budget.target_prune`` with ``target_scope: run``): one eta, bisected so that
+        the mean pruned fraction over every scenario of the run is the target (the paper's ≈30%); each scenario keeps
+        its breadth-dependent budget at that eta. ``pruning_strength`` alone does not pin the fraction."""
+        probs = [self.scenario_probs(dm.tokenizer, dm.scenario(i)) for i in range(dm.n_total())]
+
+        def mean_at(e):
+            fr = [self.compile(p, eta=e)[1]["pruned_fraction"] for p in probs]
+            return None, {"pruned_fraction": sum(fr) / len(fr)}
+
+        eta, _, info = bisect_eta(mean_at, float(self.budget["target_prune"]))
+        self.eta = eta
+        self.results["calibrated"] = {"eta": eta, "mean_pruned_fraction": info["pruned_fraction"]}
+        return eta
+
     def test_step(self, index, batch_idx):
         dm = self._dm()
         if self.state is None:
             self.fit_offline(dm, dm.tokenizer)
+            if self.budget["target_prune"] is not None and self.budget["target_scope"] == "run":
+                self.calibrate_eta(dm)
         sc = dm.scenario(int(index))
         t0 = time.perf_counter()
         probs = self.scenario_probs(dm.tokenizer, sc)
@@ -325,7 +366,8 @@ class SubspacePathModule(CausalLMModule):
         pruned = self.evaluate_turns(dm.tokenizer, sc, mask)
         self.rows.append({"split": sc.get("split", "selected"), "domains": list(sc.get("domains", [])),
                           "compile_s": compile_s, "mask": mask.int().tolist(), "dense": dense, "pruned": pruned,
-                          **{k: info[k] for k in ("breadth", "keep_ratio", "pruned_fraction", "eta", "fallback")}})
+                          **{k: info[k] for k in ("breadth", "keep_ratio", "pruned_fraction", "kv_saved_fraction", "eta",
+                                                  "fallback")}})
 
     def on_test_epoch_end(self):
         if not self.rows:
@@ -345,20 +387,23 @@ class SubspacePathModule(CausalLMModule):
             table[split] = {"ppl_dense": d, "ppl_pruned": p, "ppl_ratio": p / d,
                             "recall_dense": 100 * mean([t["recall"] for r in rows for t in r["dense"]]),
                             "recall_pruned": 100 * mean([t["recall"] for r in rows for t in r["pruned"]]),
-                            "pruned_fraction": mean([r["pruned_fraction"] for r in rows]), "scenarios": len(rows)}
+                            "pruned_fraction": mean([r["pruned_fraction"] for r in rows]),
+                            "kv_saved_fraction": mean([r["kv_saved_fraction"] for r in rows]), "scenarios": len(rows)}
             for k, v in table[split].items():
                 self.log(f"test/{split}/{k}", float(v))
         tps = lambda which: (sum(t["gen_tokens"] for r in self.rows for t in r[which])  # noqa: E731
                              / max(1e-9, sum(t["gen_s"] for r in self.rows for t in r[which])))
         overall = {"ppl_ratio": ppl(self.rows, "pruned") / ppl(self.rows, "dense"),
                    "pruned_fraction": mean([r["pruned_fraction"] for r in self.rows]),
+                   "kv_saved_fraction": mean([r["kv_saved_fraction"] for r in self.rows]),
                    "compile_ms": 1000 * mean([r["compile_s"] for r in self.rows]),
                    "tokens_per_s_dense": tps("dense"), "tokens_per_s_pruned": tps("pruned")}
         for k, v in overall.items():
             self.log(f"test/{k}", float(v))
         for l, a in enumerate(self.state["probe_acc"].tolist()):
             self.log(f"test/probe_acc/L{l}", a)
-        self.results = {"domains": self.state["domains"], "splits": table, **overall,
+        self.log("test/eta", float(self.eta))
+        self.results = {**self.results,"domains": self.state["domains"], "splits": table, **overall,
                         "probe_acc": self.state["probe_acc"].tolist(),
                         "importance": self.state["importance"].tolist(),
                         "whitelist": self.state["whitelist"].int().tolist(), "scenarios": self.rows}
