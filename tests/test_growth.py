@@ -113,16 +113,71 @@ def test_depth_growth_preserves_the_logits_with_zerofy_output_only():
         assert (logits(g, x) - ref).abs().max() > 1e-3  # a pre-LN block applied twice is another function
 
 
-def test_noise_is_per_expert_sigma_and_only_on_the_copies():
-    src = mixtral()
+def _halves_apart(model, scale=4.0):
+    """The up half of every expert's fused gate_up ``scale`` x the gate half: the three σ choices then differ."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.experts.gate_up_proj[:, I:] *= scale
+    return model
+
+
+@pytest.mark.parametrize("sigma_over", ["expert", "matrix", "tensor"])
+def test_noise_sigma_is_the_releases_fused_expert_tensor_by_default(sigma_over):
+    """expert (default, the release's per-expert fc1): one σ over the fused gate|up of the copied expert; matrix
+    (ours): σ of the gate and up halves separately; tensor: of all experts together. Only copies get noise."""
+    src = _halves_apart(mixtral())
     g = copy.deepcopy(src)
-    grow_width(g, alpha=0.5, sigma_over="expert", seed=3)
+    grow_width(g, alpha=0.5, seed=3, **({} if sigma_over == "expert" else {"sigma_over": sigma_over}))
     w, w0 = g.model.layers[0].mlp.experts.gate_up_proj, src.model.layers[0].mlp.experts.gate_up_proj
+    d, d0 = g.model.layers[0].mlp.experts.down_proj, src.model.layers[0].mlp.experts.down_proj
     torch.testing.assert_close(w[:E], w0, rtol=0, atol=0)  # originals untouched
+    torch.testing.assert_close(d[:E], d0, rtol=0, atol=0)
     for e in range(E):
-        for half in (slice(0, I), slice(I, 2 * I)):  # gate and up matrices, as a per-expert layout stores them
+        for half in (slice(0, I), slice(I, 2 * I)):  # gate, up
+            sigma = {"expert": w0[e], "matrix": w0[e, half], "tensor": w0}[sigma_over].std()
             noise_std = (w[E + e, half] - w0[e, half]).std()
-            assert abs(noise_std / (0.5 * w0[e, half].std()) - 1) < 0.1
+            assert abs(noise_std / (0.5 * sigma) - 1) < 0.1
+        sigma = (d0 if sigma_over == "tensor" else d0[e]).std()
+        assert abs((d[E + e] - d0[e]).std() / (0.5 * sigma) - 1) < 0.1
+
+
+def test_stacking_with_factor_above_two_follows_the_releases_passes():
+    """The release's stack: [0, n − ignore_last) once, then [ignore_first, n) in each of the factor − 1 later passes."""
+    assert depth_index_map(4, "stack", factor=3, ignore_first=1, ignore_last=1) == [0, 1, 2, 1, 2, 3, 1, 2, 3]
+    assert depth_index_map(4, "stack", factor=3, ignore_last=2) == [0, 1, 0, 1, 2, 3, 0, 1, 2, 3]
+    assert depth_index_map(5, "stack", factor=2, ignore_first=1, ignore_last=1) == [0, 1, 2, 3, 1, 2, 3, 4]  # as before
+    src = mixtral(layers=4)
+    x = tokens()
+    g = copy.deepcopy(src)
+    index = grow_depth(g, "stack", factor=3, ignore_first=1, ignore_last=1, zerofy_output=True)
+    assert index == [0, 1, 2, 1, 2, 3, 1, 2, 3] and g.config.num_hidden_layers == 9
+    # a layer's first occurrence is its original (l4 first appears in the second pass): still function-preserving
+    torch.testing.assert_close(logits(g, x), logits(src, x), rtol=0, atol=1e-12)
+
+
+def test_weight_multiplier_scales_every_tensor_of_the_grown_layers_as_the_release():
+    src = mixtral()
+    m = 0.5
+    g = copy.deepcopy(src)
+    index = grow_depth(g, weight_multiplier=m, ignore_last=1)  # default scope: all (the release)
+    src_sd, g_sd = src.state_dict(), g.state_dict()
+    for new, old in enumerate(index):  # every tensor of every grown layer, originals and the ignored one included
+        for key, t in src.model.layers[old].state_dict().items():
+            torch.testing.assert_close(g_sd[f"model.layers.{new}.{key}"], m * t, rtol=0, atol=0)
+    for key in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        torch.testing.assert_close(g_sd[key], src_sd[key], rtol=0, atol=0)
+    # ours: only the copies' output projections scale, the originals keep their weights
+    g = copy.deepcopy(src)
+    grow_depth(g, weight_multiplier=m, multiplier_scope="copy_outputs")
+    g_sd = g.state_dict()
+    for new, old in enumerate(depth_index_map(L)):
+        copied = new % 2 == 1
+        for key, t in src.model.layers[old].state_dict().items():
+            out = key.endswith(("o_proj.weight", "down_proj"))
+            torch.testing.assert_close(g_sd[f"model.layers.{new}.{key}"], (m if copied and out else 1.0) * t,
+                                       rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"multiplier_scope='both': choose one of all, copy_outputs"):
+        grow_depth(copy.deepcopy(src), multiplier_scope="both")
 
 
 # --- the grown model as a transformers model --------------------------------------------------------------------
