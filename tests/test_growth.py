@@ -302,6 +302,47 @@ def test_snapshots_at_steps_are_written_during_training(tmp_path):
     assert not (tmp_path / "hf_model_step4").exists()
 
 
+def test_accuracy_evaluation_of_a_grown_checkpoint_runs_the_release_suite_shape(tmp_path, tiny_lm_dir):
+    """growth_eval_olmoe (the tables' accuracy columns) on a grown tiny Mixtral saved as a run's hf_model: zero-shot
+    tasks and a few-shot one (MMLU's 5-shot slot) in one run, every task's accuracy and their average logged."""
+    from transformers import AutoTokenizer
+
+    from tests.helpers import run_experiment
+    from tests.test_zero_shot import make_task
+
+    suite = ["arc_challenge", "boolq", "hellaswag", "openbookqa", "winogrande", "mmlu"]
+    assert composed_tasks() == (suite, {"mmlu": 5})  # the release's suite: MMLU 5-shot, the rest zero-shot
+    torch.manual_seed(0)
+    src = MixtralForCausalLM(MixtralConfig(vocab_size=2048, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                           num_experts_per_tok=2, max_position_embeddings=256, bos_token_id=0,
+                                           eos_token_id=0, pad_token_id=1))
+    grow_depth(src)
+    grow_width(src)
+    hf_model = tmp_path / "grown" / "hf_model"
+    src.save_pretrained(hf_model)
+    AutoTokenizer.from_pretrained(tiny_lm_dir).save_pretrained(hf_model)  # an export holds its tokenizer
+    tasks, _ = make_task(tmp_path, name="toy_zero", n=6, seed=1)
+    make_task(tmp_path, name="toy_few", n=6, seed=2)
+    (tasks / "toy_few.yaml").write_text((tasks / "toy_few.yaml").read_text() + "fewshot_split: test\n")
+    value, metrics = run_experiment("growth_eval_olmoe", tmp_path / "run", overrides=(
+        "backbone=tiny_mixtral", f"backbone.pretrained={hf_model}", "backbone.config.vocab_size=2048",
+        "backbone.dtype=float32", "trainer=cpu", "model.tasks=[toy_zero,toy_few]", "~model.fewshot_per_task.mmlu",
+        "+model.fewshot_per_task.toy_few=2", f"model.include_path={tasks}",
+        "model.include_defaults=false", "model.batch_size=4"))
+    assert metrics["status"] == "ok"
+    assert metrics["results"]["n_shot"] == {"toy_zero": 0, "toy_few": 2}
+    a, b = metrics["final"]["zero_shot/toy_zero/acc"], metrics["final"]["zero_shot/toy_few/acc"]
+    assert value == pytest.approx((a + b) / 2)
+
+
+def composed_tasks():
+    from runner import compose
+
+    cfg = compose("growth_eval_olmoe")
+    return list(cfg.model.tasks), dict(cfg.model.fewshot_per_task)
+
+
 def test_growth_tiny_grows_tiny_moe_and_trains(tmp_path, tiny_models):
     from tests.helpers import run_experiment
 
