@@ -130,6 +130,24 @@ def test_baseline_laws_reduce_to_their_formulas():
                                rtol=1e-12)
 
 
+def test_muennighoff_excess_params_take_the_unique_data_seen():
+    """Muennighoff et al.'s U_N = min(N, N_opt(U_D)) with U_D = min(D, U), the unique tokens actually seen: a run
+    that stops inside its first epoch (D < U) has seen only D unique tokens, so its excess parameters are counted
+    from D, not from the whole pool."""
+    X = {"N": np.array([1e6, 1e6, 3e7]), "D": np.array([1e7, 4e8, 4e8]), "U_hq": np.array([2e7] * 3),
+         "U_lq": np.array([8e7] * 3)}
+    a, b, e, al, be, lrd, lrn = np.log(400.0), np.log(900.0), np.log(1.7), 0.3, 0.3, np.log(15.4), np.log(5.3)
+    U = X["U_hq"] + X["U_lq"]
+    UD = np.minimum(X["D"], U)
+    UN = np.minimum(X["N"], UD / 20.0)
+    Np = UN + UN * 5.3 * (1 - np.exp(-(X["N"] / UN - 1) / 5.3))
+    Dp = np.where(X["D"] <= U, X["D"], U + U * 15.4 * (1 - np.exp(-(X["D"] / U - 1) / 15.4)))
+    law = MuennighoffLaw(buckets=("hq", "lq"), excess_params=True)
+    np.testing.assert_allclose(law.predict([a, b, e, al, be, lrd, lrn], X), 400 / Np ** al + 900 / Dp ** be + 1.7,
+                               rtol=1e-12)
+    assert UN[0] == 5e5 < X["N"][0]  # the first cell: D = 1e7 < U, so 5e5 parameters are "unique", not all 1e6
+
+
 def test_holdout_by_column_value():
     df = tiny_grid()
     assert holdout_mask(df, "w_hq=0.7").sum() == 9
