@@ -180,10 +180,17 @@ def holdout_mask(df: pd.DataFrame, holdout, corner=("N", "D")) -> np.ndarray:
 
 
 def rel_errors(law: Law, theta, df: pd.DataFrame) -> np.ndarray:
-    """|predicted − observed| / observed per row."""
+    """|predicted − observed| / |observed| per row; NaN where the observed target is 0 (a count law's rows with
+    k = 0 stay in its fit, but a relative error has no meaning there)."""
     p = law.predict(theta, {c: df[c].to_numpy(dtype=np.float64) for c in law.inputs})
     obs = df[law.target].to_numpy(dtype=np.float64)
-    return np.abs(p - obs) / np.abs(obs)
+    return np.abs(p - obs) / np.where(obs != 0, np.abs(obs), np.nan)
+
+
+def mean_max(rel: np.ndarray) -> tuple[float | None, float | None]:
+    """Mean and max of the defined relative errors (None when no row has one)."""
+    rel = rel[np.isfinite(rel)]
+    return (float(rel.mean()), float(rel.max())) if rel.size else (None, None)
 
 
 def fit_law(law: Law | str, df: pd.DataFrame, huber_delta: float | None = None, holdout: np.ndarray | str | None = "corner",
@@ -198,6 +205,7 @@ def fit_law(law: Law | str, df: pd.DataFrame, huber_delta: float | None = None, 
         bad[:] = False
     dropped = df[bad].to_dict("records")
     df = df[~bad].reset_index(drop=True)
+    law.check({c: df[c].to_numpy(dtype=np.float64) for c in law.inputs})
     hold = np.zeros(len(df), dtype=bool)
     if isinstance(holdout, str) or (isinstance(holdout, (list, tuple)) and holdout and isinstance(holdout[0], str)):
         hold = holdout_mask(df, holdout, law.corner)
@@ -239,17 +247,15 @@ def fit_law(law: Law | str, df: pd.DataFrame, huber_delta: float | None = None, 
     result = FitResult(law=law.name, constants=law.constants(theta), theta=[float(t) for t in theta],
                        r2_log=1.0 - ss_res / ss_tot if ss_tot > 0 else float("nan"), n_fit=len(train),
                        dropped=dropped, objective=obj, frozen=frozen)
-    fit_rel = rel_errors(law, theta, train)
-    result.fit_rel_err, result.fit_max_rel_err = float(fit_rel.mean()), float(fit_rel.max())
+    result.fit_rel_err, result.fit_max_rel_err = mean_max(rel_errors(law, theta, train))
     if hold.any():
         test = df[hold]
         p = law.predict(theta, {c: test[c].to_numpy(dtype=np.float64) for c in law.inputs})
         obs = test[law.target].to_numpy(dtype=np.float64)
-        rel = np.abs(p - obs) / np.where(obs != 0, np.abs(obs), np.nan)  # no relative error at a zero target
+        rel = rel_errors(law, theta, test)
         result.heldout = [{**{c: float(r[c]) for c in law.inputs}, "observed": float(o), "predicted": float(q),
                            "rel_err": float(e)} for (_, r), o, q, e in zip(test.iterrows(), obs, p, rel)]
-        result.heldout_rel_err = float(rel.mean())
-        result.heldout_max_rel_err = float(rel.max())
+        result.heldout_rel_err, result.heldout_max_rel_err = mean_max(rel)
     return result
 
 

@@ -54,6 +54,19 @@ def test_delta_fit_drops_nonpositive_cells_and_freezes_unidentified_exponents():
         fit_law("qat_delta", df.head(3), holdout=None)
 
 
+def test_delta_fit_at_group_size_one_with_gamma_g_frozen_is_finite():
+    """A sweep at the single G = 1: γ_G is frozen at 0, so (log₂G)^γ_G = 0⁰ = 1 and δ = k D^γ_D / N^γ_N (was NaN:
+    0 · log(log₂ 1) = 0 · −∞). G = 1 among other G cannot be fitted (δ would be 0 there): refused in one line."""
+    df = planted_delta(noise=0.0, gG=0.0)
+    one = df[df["G"] == 16].assign(G=1)
+    res = fit_law("qat_delta", one, holdout=None)
+    assert res.frozen == {"gamma_G": 0.0}
+    assert abs(res.constants["gamma_D"] - 0.3) < 1e-6 and abs(res.constants["gamma_N"] - 0.6) < 1e-6
+    assert np.isfinite(res.objective) and res.fit_rel_err < 1e-9
+    with pytest.raises(ValueError, match=r"qat_delta: G = 1 .* drop the G = 1 rows"):
+        fit_law("qat_delta", pd.concat([one, df[df["G"] == 64]]), holdout=None)
+
+
 PLANTED = dict(A=400.0, B=2000.0, E=1.7, alpha=0.34, beta=0.28)
 
 
