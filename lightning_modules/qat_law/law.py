@@ -18,7 +18,7 @@ import pandas as pd
 import torch
 
 from sweeps.collect import add_deltas
-from sweeps.fit import bootstrap_fit, fit_law, sign_verdict
+from sweeps.fit import bootstrap_fit, fit_law, identified_verdict, sign_verdict
 from sweeps.laws import Law, Study, register
 from sweeps.plot import ax_law, save_figure
 
@@ -129,14 +129,17 @@ def qat_report(table: pd.DataFrame, huber_delta: float | None = None, n_boot: in
         c = fits["w4a4"]["constants"]
         fr = fits["w4a4"]["frozen"]
         boot = out["bootstrap"].get("w4a4", {}).get("params", {})
+        unidentified = [*fits["w4a4"]["unidentified"], *out["bootstrap"].get("w4a4", {}).get("unidentified", [])]
         for claim, param, sign in QAT_SIGNS:
             if param in boot:  # the interval decides: held / not_held / inconclusive
-                out["claims"][claim] = sign_verdict(boot[param]["lo"], boot[param]["hi"], sign)
+                verdict = sign_verdict(boot[param]["lo"], boot[param]["hi"], sign)
             else:
-                out["claims"][claim] = None if param in fr else bool(sign * c[param] > 0)
+                verdict = None if param in fr else bool(sign * c[param] > 0)
+            out["claims"][claim] = identified_verdict(verdict, [param], unidentified)  # never held on a flat constant
     if "w4a16" in fits and "w16a4" in fits:
-        out["claims"]["γ_D(weight) > γ_D(activation)"] = bool(
-            fits["w4a16"]["constants"]["gamma_D"] > fits["w16a4"]["constants"]["gamma_D"])
+        out["claims"]["γ_D(weight) > γ_D(activation)"] = identified_verdict(
+            bool(fits["w4a16"]["constants"]["gamma_D"] > fits["w16a4"]["constants"]["gamma_D"]), ["gamma_D"],
+            [*fits["w4a16"]["unidentified"], *fits["w16a4"]["unidentified"]])
     a8 = table[table["precision"] == "w4a4_fc2a8"]
     if len(a8):
         keys = ["N", "D", "seed", "group_size"]
