@@ -22,6 +22,15 @@ paper may give its own table, report, markdown and plot (``sweeps.laws.Study``),
 
 ``--bootstrap B`` (several seeds per cell): the law is fitted to the cell means over seeds and refitted on B
 resamples of each cell's seeds; every exponent gets a bootstrap SE and a 90% percentile interval (``--level``).
+
+Identifiability (reported with every fit): the Jacobian of the log predictions with respect to the free constants
+at the fit, columns scaled to unit norm, is the square root of the Gauss–Newton Hessian of the log-residual
+objective; a singular value below ``FLAT`` times the largest is a flat direction (moving along it changes no
+prediction to first order), and the constants with a weight ≥ ``FLAT_WEIGHT`` in it are *not identified* (e.g. A,
+α and E of an N term fitted on two values of N: any pair of levels is met by a one-parameter family). A bootstrap
+interval of zero width (every resample on the same value: the refit never moved from its warm start) marks its
+constant the same way. :func:`identified_verdict` turns any claim resting on such a constant into
+``inconclusive``: it is never called held (or not held).
 """
 from __future__ import annotations
 
@@ -52,6 +61,44 @@ class FitResult:
     heldout_max_rel_err: float | None = None  # the max absolute relative error beside the mean (InfoLaw's metric)
     fit_rel_err: float | None = None          # mean and max absolute relative error on the fitted rows
     fit_max_rel_err: float | None = None
+    unidentified: list[str] = field(default_factory=list)     # constants the fitted rows do not pin down
+    flat_directions: list[dict] = field(default_factory=list)  # {"ratio": s_i/s_max, "weights": {param: v_p}}
+
+
+FLAT = 1e-6         # a scaled singular value below FLAT x the largest: a flat direction
+FLAT_WEIGHT = 0.01  # a constant with at least this weight in a flat (unit) direction is not identified
+ZERO_WIDTH = 1e-9   # a bootstrap interval narrower than this (relative to max(1, |estimate|)) has zero width
+
+
+def identifiability(law: Law, theta, X: dict, frozen: dict) -> tuple[list[str], list[dict]]:
+    """(constants not identified, flat directions) at ``theta`` on the rows ``X`` (module docstring)."""
+    free = [i for i, p in enumerate(law.params) if p not in frozen]
+    base = torch.as_tensor(np.asarray(theta, dtype=np.float64))
+    idx = torch.as_tensor(free)
+    J = torch.autograd.functional.jacobian(lambda z: law.log_predict(base.index_put((idx,), z), X), base[idx])
+    J = torch.nan_to_num(J.reshape(-1, len(free)))
+    norms = J.norm(dim=0)
+    dead = [law.params[free[j]] for j in range(len(free)) if not norms[j] > 0]  # moves no prediction at all
+    live = [j for j in range(len(free)) if norms[j] > 0]
+    flat = [{"ratio": 0.0, "weights": {p: 1.0}} for p in dead]
+    if live:
+        _, S, Vt = torch.linalg.svd(J[:, live] / norms[live], full_matrices=False)
+        for s_i, v in zip(S, Vt):
+            if s_i < FLAT * S[0]:
+                flat.append({"ratio": float(s_i / S[0]),
+                             "weights": {law.params[free[j]]: float(w) for j, w in zip(live, v) if abs(w) >= FLAT_WEIGHT}})
+    unidentified = [p for p in law.params if any(p in d["weights"] for d in flat)]
+    return unidentified, flat
+
+
+def zero_width(interval: dict) -> bool:
+    """A bootstrap interval (estimate, lo, hi) every resample of which landed on the same value."""
+    return interval["hi"] - interval["lo"] <= ZERO_WIDTH * max(1.0, abs(interval["estimate"]))
+
+
+def identified_verdict(verdict, needs, unidentified) -> str | bool | None:
+    """``verdict`` unless a constant in ``needs`` is in ``unidentified``: then ``inconclusive``."""
+    return "inconclusive" if set(needs) & set(unidentified) else verdict
 
 
 def _minimise(law: Law, X: dict, logy: torch.Tensor, x0: np.ndarray, free: np.ndarray, delta: float):
@@ -180,14 +227,22 @@ def holdout_mask(df: pd.DataFrame, holdout, corner=("N", "D")) -> np.ndarray:
 
 
 def rel_errors(law: Law, theta, df: pd.DataFrame) -> np.ndarray:
-    """|predicted − observed| / observed per row."""
+    """|predicted − observed| / |observed| per row; NaN where the observed target is 0 (a count law's rows with
+    k = 0 stay in its fit, but a relative error has no meaning there)."""
     p = law.predict(theta, {c: df[c].to_numpy(dtype=np.float64) for c in law.inputs})
     obs = df[law.target].to_numpy(dtype=np.float64)
-    return np.abs(p - obs) / np.abs(obs)
+    return np.abs(p - obs) / np.where(obs != 0, np.abs(obs), np.nan)
+
+
+def mean_max(rel: np.ndarray) -> tuple[float | None, float | None]:
+    """Mean and max of the defined relative errors (None when no row has one)."""
+    rel = rel[np.isfinite(rel)]
+    return (float(rel.mean()), float(rel.max())) if rel.size else (None, None)
 
 
 def fit_law(law: Law | str, df: pd.DataFrame, huber_delta: float | None = None, holdout: np.ndarray | str | None = "corner",
-            top_k: int = 8, init: np.ndarray | None = None) -> FitResult:
+            top_k: int = 8, init: np.ndarray | None = None, check: bool = True) -> FitResult:
+    """The fit (module docstring); ``check=False`` skips the identifiability check (bootstrap refits)."""
     law = get_law(law) if isinstance(law, str) else law
     missing = [c for c in (*law.inputs, *law.counts, law.target) if c not in df]
     if missing:
@@ -198,6 +253,7 @@ def fit_law(law: Law | str, df: pd.DataFrame, huber_delta: float | None = None, 
         bad[:] = False
     dropped = df[bad].to_dict("records")
     df = df[~bad].reset_index(drop=True)
+    law.check({c: df[c].to_numpy(dtype=np.float64) for c in law.inputs})
     hold = np.zeros(len(df), dtype=bool)
     if isinstance(holdout, str) or (isinstance(holdout, (list, tuple)) and holdout and isinstance(holdout[0], str)):
         hold = holdout_mask(df, holdout, law.corner)
@@ -239,17 +295,17 @@ def fit_law(law: Law | str, df: pd.DataFrame, huber_delta: float | None = None, 
     result = FitResult(law=law.name, constants=law.constants(theta), theta=[float(t) for t in theta],
                        r2_log=1.0 - ss_res / ss_tot if ss_tot > 0 else float("nan"), n_fit=len(train),
                        dropped=dropped, objective=obj, frozen=frozen)
-    fit_rel = rel_errors(law, theta, train)
-    result.fit_rel_err, result.fit_max_rel_err = float(fit_rel.mean()), float(fit_rel.max())
+    result.fit_rel_err, result.fit_max_rel_err = mean_max(rel_errors(law, theta, train))
+    if check:
+        result.unidentified, result.flat_directions = identifiability(law, theta, X, frozen)
     if hold.any():
         test = df[hold]
         p = law.predict(theta, {c: test[c].to_numpy(dtype=np.float64) for c in law.inputs})
         obs = test[law.target].to_numpy(dtype=np.float64)
-        rel = np.abs(p - obs) / np.where(obs != 0, np.abs(obs), np.nan)  # no relative error at a zero target
+        rel = rel_errors(law, theta, test)
         result.heldout = [{**{c: float(r[c]) for c in law.inputs}, "observed": float(o), "predicted": float(q),
                            "rel_err": float(e)} for (_, r), o, q, e in zip(test.iterrows(), obs, p, rel)]
-        result.heldout_rel_err = float(rel.mean())
-        result.heldout_max_rel_err = float(rel.max())
+        result.heldout_rel_err, result.heldout_max_rel_err = mean_max(rel)
     return result
 
 
@@ -284,7 +340,7 @@ def bootstrap_fit(law: Law | str, df: pd.DataFrame, n_boot: int = 1000, by: str 
     for _ in range(n_boot):
         idx = np.concatenate([rng.choice(c, size=len(c)) for c in cells])
         try:  # start from the full fit (and the law's closed form): the resample is a small perturbation
-            thetas.append(fit(df.iloc[idx], top_k=0, init=np.asarray(full.theta)).theta)
+            thetas.append(fit(df.iloc[idx], top_k=0, init=np.asarray(full.theta), check=False).theta)
         except ValueError:
             failed += 1
     thetas = np.asarray(thetas)
@@ -293,7 +349,8 @@ def bootstrap_fit(law: Law | str, df: pd.DataFrame, n_boot: int = 1000, by: str 
                   "lo": float(np.quantile(thetas[:, i], a)), "hi": float(np.quantile(thetas[:, i], 1.0 - a))}
               for i, p in enumerate(law.params) if p not in full.frozen}
     return {"by": by, "level": level, "n_boot": n_boot, "failed": failed, "n_cells": len(cells),
-            "replicates": int(df[by].nunique()), "fit": asdict(full), "params": params}
+            "replicates": int(df[by].nunique()), "fit": asdict(full), "params": params,
+            "unidentified": _boot_unidentified(full, params)}
 
 
 def case_bootstrap_fit(law: Law | str, df: pd.DataFrame, n_boot: int = 1000, level: float = 0.9, seed: int = 0,
@@ -311,7 +368,7 @@ def case_bootstrap_fit(law: Law | str, df: pd.DataFrame, n_boot: int = 1000, lev
     for _ in range(n_boot):
         try:
             thetas.append(fit_law(law, rows.iloc[rng.integers(0, len(rows), len(rows))], huber_delta, holdout=None,
-                                  top_k=0, init=np.asarray(full.theta)).theta)
+                                  top_k=0, init=np.asarray(full.theta), check=False).theta)
         except ValueError:
             failed += 1
     thetas = np.asarray(thetas)
@@ -320,7 +377,14 @@ def case_bootstrap_fit(law: Law | str, df: pd.DataFrame, n_boot: int = 1000, lev
                   "lo": float(np.quantile(thetas[:, i], a)), "hi": float(np.quantile(thetas[:, i], 1.0 - a))}
               for i, p in enumerate(law.params) if p not in full.frozen}
     return {"by": "cell", "level": level, "n_boot": n_boot, "failed": failed, "n_cells": len(rows), "replicates": len(rows),
-            "fit": asdict(full), "params": params}
+            "fit": asdict(full), "params": params, "unidentified": _boot_unidentified(full, params)}
+
+
+def _boot_unidentified(full: FitResult, params: dict) -> list[str]:
+    """The full fit's unidentified constants and those whose bootstrap interval has zero width."""
+    for v in params.values():
+        v["zero_width"] = zero_width(v)
+    return list(full.unidentified) + [p for p, v in params.items() if v["zero_width"] and p not in full.unidentified]
 
 
 def sign_verdict(lo: float, hi: float, sign: int) -> str:
@@ -336,6 +400,8 @@ def markdown(report: dict) -> str:
         consts = ", ".join(f"{k}={v:.4g}" for k, v in f["constants"].items() if not k.startswith("log_"))
         if f["frozen"]:
             consts += " (frozen: " + ", ".join(f["frozen"]) + ")"
+        if f.get("unidentified"):
+            consts += " (not identified: " + ", ".join(f["unidentified"]) + ")"
         held = "—" if f["heldout_rel_err"] is None else f"{100 * f['heldout_rel_err']:.1f}% ({len(f['heldout'])} rows)"
         if f.get("heldout_max_rel_err") is not None and law_class(f["law"]).heldout_max:  # mean and max
             held = f"{100 * f['heldout_rel_err']:.2f}% mean, {100 * f['heldout_max_rel_err']:.2f}% max ({len(f['heldout'])} rows)"
@@ -346,7 +412,8 @@ def markdown(report: dict) -> str:
         lines += ["", "| fit | parameter | estimate | bootstrap SE | interval | resamples (failed) |", "|---|---|---|---|---|---|"]
         for name, b in report["bootstrap"].items():
             lines += [f"| {name} | {p} | {v['estimate']:.4g} | {v['se']:.3g} | {100 * b['level']:.0f}%: "
-                      f"[{v['lo']:.4g}, {v['hi']:.4g}] | {b['n_boot']} ({b['failed']}) over {b['replicates']} {b['by']}s |"
+                      f"[{v['lo']:.4g}, {v['hi']:.4g}]{' (zero width: not identified)' if v.get('zero_width') else ''} | "
+                      f"{b['n_boot']} ({b['failed']}) over {b['replicates']} {b['by']}s |"
                       for p, v in b["params"].items() if p != "log_k"]
     if report.get("claims"):
         word = lambda v: "n/a" if v is None else v if isinstance(v, str) else ("yes" if v else "no")

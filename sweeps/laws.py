@@ -51,6 +51,9 @@ class Law:
         """A closed-form start (OLS on the log target) where the law allows one."""
         return None
 
+    def check(self, X: Mapping[str, np.ndarray]) -> None:
+        """Refuse inputs the law cannot hold, with one line naming the fix (called before every fit)."""
+
     def frozen(self, X: Mapping[str, np.ndarray]) -> dict[str, float]:
         """Parameters that the data cannot identify, held at a value (e.g. the exponent of a constant input)."""
         return {}

@@ -108,6 +108,12 @@ def test_count_rows_with_nothing_right_stay_in_the_fit():
     assert (df["k"] == 0).sum() >= 2
     fit = fit_law("error_gamma", df, holdout=None)
     assert fit.n_fit == len(df) and not fit.dropped
+    # a relative error has no meaning at k = 0: the fit's mean and max are over the rows with something right
+    p = get_law("error_gamma").predict(fit.theta, {"n": df["n"].to_numpy(dtype=float)})
+    some = df["k"].to_numpy() > 0
+    rel = np.abs(p - df["acc"].to_numpy())[some] / df["acc"].to_numpy()[some]
+    assert fit.fit_rel_err == pytest.approx(rel.mean(), rel=1e-12)
+    assert fit.fit_max_rel_err == pytest.approx(rel.max(), rel=1e-12)
 
 
 # --- tasks ----------------------------------------------------------------------------------------------------

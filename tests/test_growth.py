@@ -113,16 +113,71 @@ def test_depth_growth_preserves_the_logits_with_zerofy_output_only():
         assert (logits(g, x) - ref).abs().max() > 1e-3  # a pre-LN block applied twice is another function
 
 
-def test_noise_is_per_expert_sigma_and_only_on_the_copies():
-    src = mixtral()
+def _halves_apart(model, scale=4.0):
+    """The up half of every expert's fused gate_up ``scale`` x the gate half: the three σ choices then differ."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.experts.gate_up_proj[:, I:] *= scale
+    return model
+
+
+@pytest.mark.parametrize("sigma_over", ["expert", "matrix", "tensor"])
+def test_noise_sigma_is_the_releases_fused_expert_tensor_by_default(sigma_over):
+    """expert (default, the release's per-expert fc1): one σ over the fused gate|up of the copied expert; matrix
+    (ours): σ of the gate and up halves separately; tensor: of all experts together. Only copies get noise."""
+    src = _halves_apart(mixtral())
     g = copy.deepcopy(src)
-    grow_width(g, alpha=0.5, sigma_over="expert", seed=3)
+    grow_width(g, alpha=0.5, seed=3, **({} if sigma_over == "expert" else {"sigma_over": sigma_over}))
     w, w0 = g.model.layers[0].mlp.experts.gate_up_proj, src.model.layers[0].mlp.experts.gate_up_proj
+    d, d0 = g.model.layers[0].mlp.experts.down_proj, src.model.layers[0].mlp.experts.down_proj
     torch.testing.assert_close(w[:E], w0, rtol=0, atol=0)  # originals untouched
+    torch.testing.assert_close(d[:E], d0, rtol=0, atol=0)
     for e in range(E):
-        for half in (slice(0, I), slice(I, 2 * I)):  # gate and up matrices, as a per-expert layout stores them
+        for half in (slice(0, I), slice(I, 2 * I)):  # gate, up
+            sigma = {"expert": w0[e], "matrix": w0[e, half], "tensor": w0}[sigma_over].std()
             noise_std = (w[E + e, half] - w0[e, half]).std()
-            assert abs(noise_std / (0.5 * w0[e, half].std()) - 1) < 0.1
+            assert abs(noise_std / (0.5 * sigma) - 1) < 0.1
+        sigma = (d0 if sigma_over == "tensor" else d0[e]).std()
+        assert abs((d[E + e] - d0[e]).std() / (0.5 * sigma) - 1) < 0.1
+
+
+def test_stacking_with_factor_above_two_follows_the_releases_passes():
+    """The release's stack: [0, n − ignore_last) once, then [ignore_first, n) in each of the factor − 1 later passes."""
+    assert depth_index_map(4, "stack", factor=3, ignore_first=1, ignore_last=1) == [0, 1, 2, 1, 2, 3, 1, 2, 3]
+    assert depth_index_map(4, "stack", factor=3, ignore_last=2) == [0, 1, 0, 1, 2, 3, 0, 1, 2, 3]
+    assert depth_index_map(5, "stack", factor=2, ignore_first=1, ignore_last=1) == [0, 1, 2, 3, 1, 2, 3, 4]  # as before
+    src = mixtral(layers=4)
+    x = tokens()
+    g = copy.deepcopy(src)
+    index = grow_depth(g, "stack", factor=3, ignore_first=1, ignore_last=1, zerofy_output=True)
+    assert index == [0, 1, 2, 1, 2, 3, 1, 2, 3] and g.config.num_hidden_layers == 9
+    # a layer's first occurrence is its original (l4 first appears in the second pass): still function-preserving
+    torch.testing.assert_close(logits(g, x), logits(src, x), rtol=0, atol=1e-12)
+
+
+def test_weight_multiplier_scales_every_tensor_of_the_grown_layers_as_the_release():
+    src = mixtral()
+    m = 0.5
+    g = copy.deepcopy(src)
+    index = grow_depth(g, weight_multiplier=m, ignore_last=1)  # default scope: all (the release)
+    src_sd, g_sd = src.state_dict(), g.state_dict()
+    for new, old in enumerate(index):  # every tensor of every grown layer, originals and the ignored one included
+        for key, t in src.model.layers[old].state_dict().items():
+            torch.testing.assert_close(g_sd[f"model.layers.{new}.{key}"], m * t, rtol=0, atol=0)
+    for key in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        torch.testing.assert_close(g_sd[key], src_sd[key], rtol=0, atol=0)
+    # ours: only the copies' output projections scale, the originals keep their weights
+    g = copy.deepcopy(src)
+    grow_depth(g, weight_multiplier=m, multiplier_scope="copy_outputs")
+    g_sd = g.state_dict()
+    for new, old in enumerate(depth_index_map(L)):
+        copied = new % 2 == 1
+        for key, t in src.model.layers[old].state_dict().items():
+            out = key.endswith(("o_proj.weight", "down_proj"))
+            torch.testing.assert_close(g_sd[f"model.layers.{new}.{key}"], (m if copied and out else 1.0) * t,
+                                       rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"multiplier_scope='both': choose one of all, copy_outputs"):
+        grow_depth(copy.deepcopy(src), multiplier_scope="both")
 
 
 # --- the grown model as a transformers model --------------------------------------------------------------------
@@ -245,6 +300,47 @@ def test_snapshots_at_steps_are_written_during_training(tmp_path):
     name = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(w[0][name], w[2][name]) and not torch.equal(w[2][name], final[name])
     assert not (tmp_path / "hf_model_step4").exists()
+
+
+def test_accuracy_evaluation_of_a_grown_checkpoint_runs_the_release_suite_shape(tmp_path, tiny_lm_dir):
+    """growth_eval_olmoe (the tables' accuracy columns) on a grown tiny Mixtral saved as a run's hf_model: zero-shot
+    tasks and a few-shot one (MMLU's 5-shot slot) in one run, every task's accuracy and their average logged."""
+    from transformers import AutoTokenizer
+
+    from tests.helpers import run_experiment
+    from tests.test_zero_shot import make_task
+
+    suite = ["arc_challenge", "boolq", "hellaswag", "openbookqa", "winogrande", "mmlu"]
+    assert composed_tasks() == (suite, {"mmlu": 5})  # the release's suite: MMLU 5-shot, the rest zero-shot
+    torch.manual_seed(0)
+    src = MixtralForCausalLM(MixtralConfig(vocab_size=2048, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                           num_experts_per_tok=2, max_position_embeddings=256, bos_token_id=0,
+                                           eos_token_id=0, pad_token_id=1))
+    grow_depth(src)
+    grow_width(src)
+    hf_model = tmp_path / "grown" / "hf_model"
+    src.save_pretrained(hf_model)
+    AutoTokenizer.from_pretrained(tiny_lm_dir).save_pretrained(hf_model)  # an export holds its tokenizer
+    tasks, _ = make_task(tmp_path, name="toy_zero", n=6, seed=1)
+    make_task(tmp_path, name="toy_few", n=6, seed=2)
+    (tasks / "toy_few.yaml").write_text((tasks / "toy_few.yaml").read_text() + "fewshot_split: test\n")
+    value, metrics = run_experiment("growth_eval_olmoe", tmp_path / "run", overrides=(
+        "backbone=tiny_mixtral", f"backbone.pretrained={hf_model}", "backbone.config.vocab_size=2048",
+        "backbone.dtype=float32", "trainer=cpu", "model.tasks=[toy_zero,toy_few]", "~model.fewshot_per_task.mmlu",
+        "+model.fewshot_per_task.toy_few=2", f"model.include_path={tasks}",
+        "model.include_defaults=false", "model.batch_size=4"))
+    assert metrics["status"] == "ok"
+    assert metrics["results"]["n_shot"] == {"toy_zero": 0, "toy_few": 2}
+    a, b = metrics["final"]["zero_shot/toy_zero/acc"], metrics["final"]["zero_shot/toy_few/acc"]
+    assert value == pytest.approx((a + b) / 2)
+
+
+def composed_tasks():
+    from runner import compose
+
+    cfg = compose("growth_eval_olmoe")
+    return list(cfg.model.tasks), dict(cfg.model.fewshot_per_task)
 
 
 def test_growth_tiny_grows_tiny_moe_and_trains(tmp_path, tiny_models):

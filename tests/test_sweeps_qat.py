@@ -54,6 +54,19 @@ def test_delta_fit_drops_nonpositive_cells_and_freezes_unidentified_exponents():
         fit_law("qat_delta", df.head(3), holdout=None)
 
 
+def test_delta_fit_at_group_size_one_with_gamma_g_frozen_is_finite():
+    """A sweep at the single G = 1: γ_G is frozen at 0, so (log₂G)^γ_G = 0⁰ = 1 and δ = k D^γ_D / N^γ_N (was NaN:
+    0 · log(log₂ 1) = 0 · −∞). G = 1 among other G cannot be fitted (δ would be 0 there): refused in one line."""
+    df = planted_delta(noise=0.0, gG=0.0)
+    one = df[df["G"] == 16].assign(G=1)
+    res = fit_law("qat_delta", one, holdout=None)
+    assert res.frozen == {"gamma_G": 0.0}
+    assert abs(res.constants["gamma_D"] - 0.3) < 1e-6 and abs(res.constants["gamma_N"] - 0.6) < 1e-6
+    assert np.isfinite(res.objective) and res.fit_rel_err < 1e-9
+    with pytest.raises(ValueError, match=r"qat_delta: G = 1 .* drop the G = 1 rows"):
+        fit_law("qat_delta", pd.concat([one, df[df["G"] == 64]]), holdout=None)
+
+
 PLANTED = dict(A=400.0, B=2000.0, E=1.7, alpha=0.34, beta=0.28)
 
 
@@ -156,6 +169,31 @@ def test_qat_report_signs_and_markdown():
     assert "fp (chinchilla)" in rep["fits"]
     text = markdown(rep)
     assert "| w4a4 |" in text and re.search(r"gamma_D=0\.(29|30)", text) and "| dδ/dG > 0 | yes |" in text
+
+
+def test_claims_on_constants_the_sweep_cannot_identify_are_never_held():
+    """D = 20 N in every cell (a Chinchilla-optimal sweep): γ_D and γ_N only enter as γ_D − γ_N, a flat direction
+    the fit reports; their sign claims are inconclusive while γ_G's still holds (today's code called all three)."""
+    rng = np.random.default_rng(0)
+    rows = [{"N": N, "D": 20 * N, "group_size": G, "precision": "w4a4", "seed": 1,
+             "delta": 3.0 * (20 * N) ** 0.3 * math.log2(G) ** 0.8 / N ** 0.6 * math.exp(rng.normal(0, 0.01))}
+            for N in (5e4, 1e5, 2e5, 4e5) for G in (16, 32, 64, 128)]
+    rep = qat_report(pd.DataFrame(rows))
+    fit = rep["fits"]["w4a4"]
+    assert fit["unidentified"] == ["log_k", "gamma_D", "gamma_N"]  # log k trades with γ_D log 20 too
+    assert rep["claims"]["dδ/dN < 0"] == rep["claims"]["dδ/dD > 0"] == "inconclusive"
+    assert rep["claims"]["dδ/dG > 0"] is True
+    assert "(not identified: log_k, gamma_D, gamma_N)" in markdown(rep)
+
+
+def test_zero_width_bootstrap_intervals_mark_a_constant_unidentified():
+    from sweeps.fit import FitResult, _boot_unidentified, identified_verdict
+
+    params = {"eta": {"estimate": 0.5, "lo": 0.5, "hi": 0.5}, "a": {"estimate": 2.0, "lo": 1.5, "hi": 2.5}}
+    assert _boot_unidentified(FitResult("x", {}, [], 1.0, 3), params) == ["eta"]
+    assert params["eta"]["zero_width"] and not params["a"]["zero_width"]
+    assert identified_verdict("held", ["eta"], ["eta"]) == "inconclusive"
+    assert identified_verdict("held", ["a"], ["eta"]) == "held"
 
 
 @pytest.mark.slow

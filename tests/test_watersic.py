@@ -225,6 +225,33 @@ def test_zero_out_rows_quantizes_the_rest_alone_and_charges_the_layer():
         quantize_rows(q, w, stats, 3.0, False, [64])
 
 
+def test_zero_out_rows_of_the_release_readme_reach_the_qwen3_experiment():
+    """The release README's Qwen3-8B string, as watersic_qwen3_8b carries it, picks exactly those rows of exactly
+    the gate and up projections of blocks 6 and 16 (not 26 or 36: the block index is matched whole)."""
+    from hydra.utils import instantiate
+
+    from lightning_modules.watersic.module import parse_zero_out_rows
+    from runner import compose
+
+    readme = "6.w1:5723,8518;6.w3:5723,8518;16.w1:2271,1875;16.w3:2271,1875"
+    rows = {"layers.6.mlp.gate_proj": [5723, 8518], "layers.6.mlp.up_proj": [5723, 8518],
+            "layers.16.mlp.gate_proj": [2271, 1875], "layers.16.mlp.up_proj": [2271, 1875]}
+    assert parse_zero_out_rows(readme) == parse_zero_out_rows(readme.replace(";", "; ")) == rows
+    assert parse_zero_out_rows("3.wq:1; 3.wq:2; 0.w2:7") == {"layers.3.self_attn.q_proj": [1, 2],
+                                                            "layers.0.mlp.down_proj": [7]}
+    for bad in ("6.w4:1", "6w1:1", "6.w1:", "6.w1:1,x"):
+        with pytest.raises(ValueError, match=r"model.zero_out_rows entry .*<block>.<matrix>:<row>,<row>"):
+            parse_zero_out_rows(bad)
+    module = instantiate(compose("watersic_qwen3_8b").model)
+    assert module.extras["zero_out_rows"] == rows
+    names = [f"model.layers.{i}.{m}" for i in range(36) for m in ("self_attn.q_proj", "mlp.gate_proj", "mlp.up_proj",
+                                                                  "mlp.down_proj")]
+    picked = {n: sorted({r for k, v in rows.items() if k in n for r in v}) for n in names}  # the driver's matching
+    assert {n: r for n, r in picked.items() if r} == {
+        "model.layers.6.mlp.gate_proj": [5723, 8518], "model.layers.6.mlp.up_proj": [5723, 8518],
+        "model.layers.16.mlp.gate_proj": [1875, 2271], "model.layers.16.mlp.up_proj": [1875, 2271]}
+
+
 def test_golden_section_finds_the_minimum():
     from lightning_modules.common.quantize.driver import golden_section
 

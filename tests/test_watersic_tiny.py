@@ -145,6 +145,9 @@ def test_experiments_compose_and_instantiate(name, tmp_path):
     assert module.model is None and cfg.task == "test"
     if not name.endswith("_tiny"):
         assert cfg.data.seq_len == 2048 and cfg.model.eval_sets.wikitext2.files.endswith("wiki.test.txt")
+        # calibration: all of WikiText-2 train (the release's nsamples=None), none of it cut off for val/test
+        assert cfg.model.n_calib is None and cfg.data.files.endswith("wiki.train.txt")
+        assert cfg.data.val_fraction == cfg.data.test_fraction == 0.0
         assert cfg.model.eval_sets.wikitext2.join == "\n\n" and cfg.model.eval_sets.c4.max_windows == 256
         assert cfg.trainer.precision == "16-true"  # FP16, as the spec's reference perplexities
         assert cfg.model.mode == "sequential" and cfg.paper.name == "watersic" and cfg.backbone.dtype == "float16"
@@ -152,6 +155,22 @@ def test_experiments_compose_and_instantiate(name, tmp_path):
             assert cfg.model.residual_compensation and cfg.model.attn_weighted_qkv == 0.01 and cfg.model.eps_search
         else:  # the fair baseline: rate-targeted Huffman-GPTQ
             assert module.quantizer.target_rate and module.quantizer.extra_bit
+
+
+def test_null_n_calib_calibrates_on_the_whole_training_split():
+    from types import SimpleNamespace
+
+    from lightning_modules.common.quantize.module import QuantizeLMModule
+
+    train = [{"input_ids": torch.full((8,), i)} for i in range(10)]
+    module = QuantizeLMModule({"family": "llama"}, n_calib=None, calib_batch_size=4)
+    module._trainer = SimpleNamespace(datamodule=SimpleNamespace(train_set=train))
+    batches = module.calibration_batches()
+    assert [len(b["input_ids"]) for b in batches] == [4, 4, 2]
+    assert sorted(int(x) for b in batches for x in b["input_ids"][:, 0]) == list(range(10))  # every sequence once
+    module.n_calib = 11
+    with pytest.raises(ValueError, match="model.n_calib=11 but the training split holds 10 sequences"):
+        module.calibration_batches()
 
 
 @pytest.mark.parametrize("choice,cls,name", [("rtn", "RTN", "rtn"), ("gptq", "GPTQ", "gptq"),

@@ -66,6 +66,23 @@ def test_task_metrics_flattens_the_results_table():
                                      "zero_shot/b/exact_match_strict-match": 0.75, "zero_shot/avg_acc": 0.75}
 
 
+def test_average_counts_a_group_once_by_its_aggregate():
+    """A group (MMLU) reports its aggregate and every subtask: the suite's average is over the tasks asked for."""
+    results = {"grp": {"acc,none": 0.4}, "grp_sub1": {"acc,none": 0.1}, "grp_sub2": {"acc,none": 0.7},
+               "b": {"acc,none": 0.8}}
+    assert task_metrics(results, ["grp", "b"])["zero_shot/avg_acc"] == pytest.approx(0.6)
+    assert task_metrics(results)["zero_shot/avg_acc"] == pytest.approx(0.5)  # every row, as before, without names
+
+
+def test_fewshot_per_task_plans_one_harness_call_per_shot_count():
+    spec = {"family": "llama", "pretrained": "unused"}
+    m = ZeroShotEvalModule(spec, tasks=["a", "mmlu", "b", "c"], num_fewshot=0, fewshot_per_task={"mmlu": 5, "c": 5})
+    assert m.fewshot_plan() == [(0, ["a", "b"]), (5, ["mmlu", "c"])]
+    assert ZeroShotEvalModule(spec, tasks=["a"], num_fewshot=None).fewshot_plan() == [(None, ["a"])]
+    with pytest.raises(ValueError, match=r"fewshot_per_task names \['mmlu'\], which are not in model.tasks"):
+        ZeroShotEvalModule(spec, tasks=["a"], fewshot_per_task={"mmlu": 5})
+
+
 def test_hub_offline_sets_and_restores(monkeypatch):
     import datasets.config as dcfg
 

@@ -15,8 +15,10 @@ offline mode, so a task's data must already be in the datasets cache (``datasets
 ``include_path`` knows is refused before any evaluation.
 
 Switches: ``tasks``, ``num_fewshot`` (null = each task's default, 0 for the zero-shot suites the papers report),
-``limit`` (examples per task; null = all), ``batch_size``, ``max_length`` (null = the model's
-``max_position_embeddings``), ``include_defaults`` (the harness's own task registry), ``bootstrap_iters``
+``fewshot_per_task`` ({task: shots}, overriding ``num_fewshot`` for those tasks, for suites that mix zero-shot tasks
+with e.g. 5-shot MMLU: the harness takes one shot count per call, so each shot count is one ``simple_evaluate``
+call on the same loaded model and the results are merged), ``limit`` (examples per task; null = all),
+``batch_size``, ``max_length`` (null = the model's ``max_position_embeddings``), ``include_defaults`` (the harness's own task registry), ``bootstrap_iters``
 (stderr resamples; 0 = none).
 
 lm-eval runs in one process here: use one device (``trainer=gpu``); a 7-8B model in bf16 fits one GPU.
@@ -66,9 +68,10 @@ def hub_offline(offline: bool = True, datasets_cache: str | None = None):
                 os.environ[k] = v
 
 
-def task_metrics(results: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+def task_metrics(results: Mapping[str, Mapping[str, Any]], tasks: Sequence[str] | None = None) -> dict[str, float]:
     """Flat ``zero_shot/<task>/<metric>`` floats from lm-eval's ``results`` (``'acc,none'`` → ``acc``; stderrs
-    and non-numbers left out) and ``zero_shot/avg_acc``, the unweighted mean of the tasks' ``acc``."""
+    and non-numbers left out) and ``zero_shot/avg_acc``, the unweighted mean of the ``acc`` of ``tasks`` (the names
+    asked for: a group such as ``mmlu`` counts once, by its aggregate, not once per subtask; None: every row)."""
     out: dict[str, float] = {}
     accs = []
     for task, row in results.items():
@@ -80,7 +83,7 @@ def task_metrics(results: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
                 continue
             name = metric if filt in ("", "none") else f"{metric}_{filt}"
             out[f"zero_shot/{task}/{name}"] = float(value)
-            if name == "acc" and math.isfinite(float(value)):
+            if name == "acc" and math.isfinite(float(value)) and (tasks is None or task in tasks):
                 accs.append(float(value))
     if accs:
         out["zero_shot/avg_acc"] = sum(accs) / len(accs)
@@ -110,6 +113,7 @@ class ZeroShotEvalModule(CausalLMModule):
         include_path: a dir (or list) of extra task yamls, e.g. tasks over local jsonl files.
         include_defaults: also index the harness's own tasks (scanning them takes a few seconds).
         num_fewshot, limit, batch_size, max_length, bootstrap_iters: passed to lm-eval.
+        fewshot_per_task: {task: shots} for the tasks whose shot count differs from ``num_fewshot``.
         offline: keep hub and datasets offline (tasks come from the local cache / local files).
         datasets_cache: where the cached task datasets are (default ``$HF_DATASETS_CACHE``).
         tokenizer: a tokenizer dir / hub id; default the backbone's ``pretrained``.
@@ -118,13 +122,19 @@ class ZeroShotEvalModule(CausalLMModule):
     def __init__(self, backbone: Mapping[str, Any], tasks: Sequence[str] = ("arc_easy",), include_path: Any = None,
                  include_defaults: bool = True, num_fewshot: int | None = 0, limit: int | float | None = None,
                  batch_size: int = 8, max_length: int | None = None, bootstrap_iters: int = 0, offline: bool = True,
-                 datasets_cache: str | None = None, tokenizer: str | None = None, seed: int = 1234, **kw):
+                 datasets_cache: str | None = None, tokenizer: str | None = None, seed: int = 1234,
+                 fewshot_per_task: Mapping[str, int] | None = None, **kw):
         super().__init__(backbone, **kw)
         if isinstance(tasks, str):
             tasks = [t.strip() for t in tasks.split(",") if t.strip()]
         if not tasks:
             raise ValueError("model.tasks is empty: name at least one lm-eval task, e.g. model.tasks=[arc_easy]")
         self.tasks = list(tasks)
+        self.fewshot_per_task = {str(k): int(v) for k, v in (fewshot_per_task or {}).items()}
+        stray = sorted(set(self.fewshot_per_task) - set(self.tasks))
+        if stray:
+            raise ValueError(f"model.fewshot_per_task names {stray}, which are not in model.tasks {self.tasks}: "
+                             "add them to model.tasks or drop them")
         self.include_path = ([include_path] if isinstance(include_path, str) else list(include_path)) if include_path else None
         self.include_defaults = include_defaults
         self.num_fewshot, self.limit, self.eval_batch_size = num_fewshot, limit, batch_size
@@ -165,6 +175,13 @@ class ZeroShotEvalModule(CausalLMModule):
         return HFLM(pretrained=self.model, tokenizer=tokenizer, batch_size=self.eval_batch_size,
                     device=str(self.device), max_length=int(max_length))
 
+    def fewshot_plan(self) -> list[tuple[int | None, list[str]]]:
+        """(shots, tasks) per harness call: the tasks grouped by their shot count, in the order of ``tasks``."""
+        plan: dict[int | None, list[str]] = {}
+        for task in self.tasks:
+            plan.setdefault(self.fewshot_per_task.get(task, self.num_fewshot), []).append(task)
+        return list(plan.items())
+
     def evaluate(self) -> dict[str, float]:
         """Run the suite now; returns the flat metrics and keeps lm-eval's output in ``lm_eval_output``."""
         import lm_eval
@@ -176,12 +193,20 @@ class ZeroShotEvalModule(CausalLMModule):
         with hub_offline(self.offline, self.datasets_cache):
             manager = self.task_manager()
             tokenizer = self.load_tokenizer()
+            harness = self.harness_model(tokenizer)
             try:
-                out = lm_eval.simple_evaluate(
-                    model=self.harness_model(tokenizer), tasks=self.tasks, task_manager=manager,
-                    num_fewshot=self.num_fewshot, limit=self.limit, bootstrap_iters=self.bootstrap_iters,
-                    log_samples=True, random_seed=self.seed, numpy_random_seed=self.seed,
-                    torch_random_seed=self.seed, fewshot_random_seed=self.seed)
+                out: dict = {}
+                for shots, tasks in self.fewshot_plan():
+                    part = lm_eval.simple_evaluate(
+                        model=harness, tasks=tasks, task_manager=manager,
+                        num_fewshot=shots, limit=self.limit, bootstrap_iters=self.bootstrap_iters,
+                        log_samples=True, random_seed=self.seed, numpy_random_seed=self.seed,
+                        torch_random_seed=self.seed, fewshot_random_seed=self.seed)
+                    for key, value in part.items():  # per-task tables merge; run-level entries keep the first call's
+                        if isinstance(value, dict) and isinstance(out.get(key, {}), dict):
+                            out.setdefault(key, {}).update(value)
+                        else:
+                            out.setdefault(key, value)
             except (ConnectionError, OSError) as err:
                 if not self.offline:
                     raise
@@ -191,10 +216,12 @@ class ZeroShotEvalModule(CausalLMModule):
                     "model.datasets_cache=<dir>, or use task yamls over local files (model.include_path)") from err
         self.model.train(was_training)
         self.lm_eval_output = out
-        metrics = task_metrics(out["results"])
+        metrics = task_metrics(out["results"], self.tasks)
         self.results = {"zero_shot": _plain_results(out["results"]),
                         "n_samples": _plain_results(out.get("n-samples", {})),
-                        "config": {"tasks": self.tasks, "num_fewshot": self.num_fewshot, "limit": self.limit}}
+                        "n_shot": _plain_results(out.get("n-shot", {})),
+                        "config": {"tasks": self.tasks, "num_fewshot": self.num_fewshot,
+                                   "fewshot_per_task": self.fewshot_per_task, "limit": self.limit}}
         return metrics
 
     # --- Lightning test loop: one step that runs the whole suite --------------------------------

@@ -48,7 +48,8 @@ def grow_in_order(model, g: Mapping[str, Any]) -> dict:
 class GrowthModule(CausalLMModule):
     """Args (beyond ``CausalLMModule``'s):
         growth: ``source`` (a checkpoint dir, hub id or ``tiny-moe``), ``order``, ``depth`` (``enabled``, ``method``,
-            ``factor``, ``ignore_first``, ``ignore_last``, ``zerofy_output``, ``weight_multiplier``), ``width``
+            ``factor``, ``ignore_first``, ``ignore_last``, ``zerofy_output``, ``weight_multiplier``,
+            ``multiplier_scope``; defaults and the release's choices in ``operators.py``), ``width``
             (``enabled``, ``factor``, ``alpha``, ``sigma_over``, ``placement``, ``router_init``), ``seed`` (noise),
             ``source_tokens`` (tokens the source was trained on; null = unknown).
     """

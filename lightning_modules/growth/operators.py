@@ -1,14 +1,33 @@
 """Growing a trained MoE checkpoint: more layers (depth) and more experts (width), on the weights only.
 
-Operators on a transformers causal LM, in place, no training code (``lightning_modules/growth`` trains):
+Operators on a transformers causal LM, in place, no training code (``lightning_modules/growth`` trains). Where the
+spec is silent the authors' release (github Mr-Philo/Orthogonal-Model-Growth: ``growth/algorithm.py`` and the
+Megatron script the paper ran, ``integration/megatron/Offline_checkpoint_growth.py``) is the default; our variants
+stay behind named switches.
 
 - ``grow_depth``: n decoder layers -> factor·n. *Interposition* puts each copy right after its original
   (l1, l1', l2, l2', ...), *stacking* repeats the whole stack (l1..ln, l1..ln). ``ignore_first`` / ``ignore_last``
-  source layers are kept once. ``zerofy_output`` zeroes the copies' residual-branch outputs (attention o_proj, the
-  experts' down_proj), which makes the growth function-preserving.
+  source layers are not duplicated (the release's README: the paper ignores 2 on each side for its 3B and 17B runs;
+  0 here, see conf/model/growth.yaml). Stacking follows the release's map for every factor: the first pass holds
+  layers [0, n − ignore_last), every later pass layers [ignore_first, n) (for factor 2 this is the same as keeping
+  the ignored ends once; for factor > 2 the top ``ignore_last`` layers recur in every later pass).
+  ``zerofy_output`` zeroes the copies' residual-branch outputs (attention o_proj, the experts' down_proj), which
+  makes the growth function-preserving. A layer's first occurrence is its original, every later one a copy: the
+  release instead treats the whole first stacking pass as the originals, so with ``ignore_last`` > 0 it would zero
+  the only occurrence of the top layers; ours keeps them, as ``zerofy_output`` exists to preserve the function.
+  ``weight_multiplier`` m with ``multiplier_scope``: ``all`` (the release, default) multiplies every tensor of every
+  grown decoder layer by m, originals and ignored layers included (embeddings, final norm and head untouched);
+  ``copy_outputs`` (ours) multiplies only the copies' output projections, so m interpolates between an identity
+  init (m = 0, = ``zerofy_output``) and a plain copy (m = 1) and the source layers keep their function. m = 1 (the
+  paper's runs) makes the two the same.
 - ``grow_width``: E experts -> factor·E and top-k -> factor·k. Every expert and router row is copied; each copy
-  gets N(0, (α σ)²) noise, σ the std of the source matrix. With α = 0 the duplicated pairs tie in the router, both
-  are chosen, each gets half its original's probability (renormalised top-k or not), so the output is unchanged.
+  gets N(0, (α σ)²) noise. ``sigma_over``: ``expert`` (the release's per-expert layout, default): σ of the copied
+  expert's own tensor, its fused fc1 (gate and up together, as Megatron's ``linear_fc1.weight<i>`` stores them) and
+  its fc2; ``matrix`` (ours): σ of each of the expert's gate, up and down matrices separately (noise relative to
+  each matrix's own scale when the gate and up halves differ in scale); ``tensor``: σ of the whole stacked tensor of
+  all experts (the release's legacy grouped-GEMM layout). The router's σ is its whole matrix's in every case. With
+  α = 0 the duplicated pairs tie in the router, both are chosen, each gets half its original's probability
+  (renormalised top-k or not), so the output is unchanged.
 - ``layer_norm_profile``: the per-layer weight RMS whose smoothness interposition keeps and stacking breaks.
 
 They target transformers 5's MoE layout, ``model.model.layers[i].mlp.gate`` (router weight (E, H), ``top_k``,
@@ -25,7 +44,8 @@ from torch import nn
 
 DEPTH_METHODS = ("interposition", "stack")
 PLACEMENTS = ("append", "interleave")
-SIGMA_OVER = ("expert", "tensor")
+SIGMA_OVER = ("expert", "matrix", "tensor")
+MULTIPLIER_SCOPES = ("all", "copy_outputs")
 ROUTER_INITS = ("copy", "random")
 RANDOM_ROUTER_STD = 0.02  # the random-router ablation's N(0, 0.02²)
 # Parameters that end a residual branch: zeroing them in a copied layer makes that layer the identity.
@@ -42,12 +62,15 @@ def check_factor(factor, what: str) -> int:
 
 def depth_index_map(n_layers: int, method: str = "interposition", factor: int = 2,
                     ignore_first: int = 0, ignore_last: int = 0) -> list[int]:
-    """The source layer of every grown layer (0-based). Layers outside [ignore_first, n - ignore_last) are kept once.
+    """The source layer of every grown layer (0-based). Interposition: layers outside [ignore_first, n - ignore_last)
+    are kept once; stacking: the release's passes (module docstring).
 
     >>> depth_index_map(3)                  # l1 l1' l2 l2' l3 l3'
     [0, 0, 1, 1, 2, 2]
     >>> depth_index_map(3, "stack")         # l1 l2 l3 l1 l2 l3
     [0, 1, 2, 0, 1, 2]
+    >>> depth_index_map(4, "stack", factor=3, ignore_first=1, ignore_last=1)  # the release's passes
+    [0, 1, 2, 1, 2, 3, 1, 2, 3]
     """
     check_factor(factor, "depth")
     if method not in DEPTH_METHODS:
@@ -55,9 +78,10 @@ def depth_index_map(n_layers: int, method: str = "interposition", factor: int = 
     if min(ignore_first, ignore_last) < 0 or ignore_first + ignore_last >= n_layers:
         raise ValueError(f"model.growth.depth.ignore_first + ignore_last = {ignore_first} + {ignore_last} leaves none of the "
                          f"{n_layers} layers to copy: make their sum < {n_layers}")
+    if method == "stack":  # the release: one pass of [0, n - ignore_last), then factor - 1 of [ignore_first, n)
+        return [*range(n_layers - ignore_last), *list(range(ignore_first, n_layers)) * (factor - 1)]
     body = range(ignore_first, n_layers - ignore_last)
-    grown = [i for i in body for _ in range(factor)] if method == "interposition" else list(body) * factor
-    return [*range(ignore_first), *grown, *range(n_layers - ignore_last, n_layers)]
+    return [*range(ignore_first), *(i for i in body for _ in range(factor)), *range(n_layers - ignore_last, n_layers)]
 
 
 def _layers(model) -> nn.ModuleList:
@@ -69,21 +93,30 @@ def _layers(model) -> nn.ModuleList:
 
 @torch.no_grad()
 def grow_depth(model, method: str = "interposition", factor: int = 2, ignore_first: int = 0, ignore_last: int = 0,
-               zerofy_output: bool = False, weight_multiplier: float = 1.0) -> list[int]:
-    """Copy decoder layers in place; returns the index map. Copies are deep copies of their source (fresh tensors);
-    their output projections are multiplied by ``weight_multiplier`` (0 with ``zerofy_output``)."""
+               zerofy_output: bool = False, weight_multiplier: float = 1.0, multiplier_scope: str = "all") -> list[int]:
+    """Copy decoder layers in place; returns the index map. Copies are deep copies of their source (fresh tensors).
+    ``weight_multiplier`` scales every tensor of every grown layer (``multiplier_scope=all``, the release) or only the
+    copies' output projections (``copy_outputs``); ``zerofy_output`` then zeroes the copies' output projections."""
+    if multiplier_scope not in MULTIPLIER_SCOPES:
+        raise ValueError(f"model.growth.depth.multiplier_scope={multiplier_scope!r}: choose one of "
+                         f"{', '.join(MULTIPLIER_SCOPES)}")
     layers = _layers(model)
     index = depth_index_map(len(layers), method, factor, ignore_first, ignore_last)
-    scale = 0.0 if zerofy_output else float(weight_multiplier)
+    m = float(weight_multiplier)
     seen, grown = set(), []
     for src in index:
-        layer = layers[src]
-        if src in seen:  # a later occurrence is the copy
-            layer = copy.deepcopy(layer)
-            if scale != 1.0:
-                for name, p in layer.named_parameters():
-                    if name.endswith(_OUTPUT_PROJECTIONS):
-                        p.mul_(scale)
+        layer, is_copy = layers[src], src in seen  # a later occurrence is the copy
+        if is_copy or (m != 1.0 and multiplier_scope == "all"):
+            layer = copy.deepcopy(layer)  # the release multiplies fresh tensors: the source model stays intact
+        for name, p in layer.named_parameters():
+            if is_copy and name.endswith(_OUTPUT_PROJECTIONS):
+                if zerofy_output:
+                    p.zero_()
+                    continue
+                if multiplier_scope == "copy_outputs":
+                    p.mul_(m)
+            if multiplier_scope == "all" and m != 1.0:
+                p.mul_(m)
         seen.add(src)
         grown.append(layer)
     model.model.layers = nn.ModuleList(grown)
@@ -137,12 +170,14 @@ def _noisy(source: torch.Tensor, order: list[int], alpha: float, sigma: torch.Te
 
 
 def _sigma(weight: torch.Tensor, sigma_over: str, splits: int = 1) -> torch.Tensor:
-    """σ per expert, shaped to broadcast over (E, rows, cols): of each expert's matrix (a fused gate_up is split
-    back into its gate and up matrices, as a per-expert layout stores them) or of the whole tensor."""
+    """σ per expert, shaped to broadcast over (E, rows, cols): of each expert's tensor (``expert``; a fused gate_up
+    as one tensor, as the release's per-expert fc1), of each of its ``splits`` matrices (``matrix``: a fused gate_up
+    split back into its gate and up matrices) or of the whole stacked tensor (``tensor``)."""
     w = weight.detach().float()
     E = w.shape[0]
     if sigma_over == "tensor":
         return w.std().expand(E, 1, 1)
+    splits = splits if sigma_over == "matrix" else 1
     parts = w.reshape(E, splits, -1, w.shape[-1])
     return parts.std(dim=(2, 3)).repeat_interleave(w.shape[1] // splits, dim=1).unsqueeze(-1)
 

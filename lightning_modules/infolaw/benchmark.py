@@ -102,7 +102,8 @@ def eta_interval(df: pd.DataFrame, holdout, n_boot: int, level: float = 0.9) -> 
     if eta is not None:
         print(f"η = {eta['estimate']:.3f}, {100 * level:.0f}% interval [{eta['lo']:.3f}, {eta['hi']:.3f}] "
               f"({n_boot} resamples of {boot['n_cells']} cells, {boot['failed']} failed)")
-    return eta and {**eta, "n_boot": n_boot, "n_cells": boot["n_cells"], "level": level}
+    return eta and {**eta, "n_boot": n_boot, "n_cells": boot["n_cells"], "level": level,
+                    "unidentified": boot["unidentified"]}
 
 
 def main(argv=None) -> dict:
@@ -168,24 +169,27 @@ def _errors(fits: dict) -> dict:
 
 
 def claims(res, argv):
+    from sweeps.fit import identified_verdict, sign_verdict
+
     out = []
     rec = res["planted"]["recovery"]
     worst = max(abs(v) for k, v in rec.items() if k != "A")
+    unidentified = res["planted"]["fits"]["infolaw (recovery)"].get("unidentified", [])
+    verdict = identified_verdict("held" if worst < 0.1 else "not_held", ("theta", "log_R0", "eta", "b", "e", "alpha",
+                                                                         "beta"), unidentified)
     out.append(Claim("planted_recovery", QUOTES["model"], "max |recovered/true − 1| over θ, R₀, η, B, E, α, β of a "
                      "planted InfoLaw (tiny grid, 0.2% noise); A trades off with α over the 3x N range", worst, "< 0.10",
-                     "held" if worst < 0.1 else "not_held",
-                     ", ".join(f"{k} {v:+.3f}" for k, v in rec.items()) + " (A not counted: not identified at this noise)"))
+                     verdict, ", ".join(f"{k} {v:+.3f}" for k, v in rec.items()) + " (A not counted: not identified at "
+                     "this noise)" + (f"; not identified by the fit: {', '.join(unidentified)}" if unidentified else "")))
     for where, part in (("planted", res["planted"]), ("tiny", res["measured"])):
         eta = part and part.get("eta")
-        if eta:
-            v = "held" if eta["lo"] > 0 else "not_held" if eta["hi"] < 0 else "inconclusive"
-            if eta["hi"] - eta["lo"] <= 1e-9 * max(1.0, abs(eta["estimate"])):
-                v = "inconclusive"  # every resample lands on the same η: the fit is pinned, not measured
+        if eta:  # a zero-width interval or a flat direction through η: pinned, not measured (sweeps.fit)
+            v = identified_verdict(sign_verdict(eta["lo"], eta["hi"], +1), ["eta"], eta.get("unidentified", []))
             out.append(Claim(f"{where}_eta", QUOTES["model"], f"η of R*(N) = R₀(N/N₀)^−η ({where} grid), "
                              f"{100 * eta['level']:.0f}% case-bootstrap interval", eta["estimate"],
                              "> 0 (larger models exhaust repeats sooner)" + (" [planted: 0.5]" if where == "planted" else ""),
-                             v, f"[{eta['lo']:.3f}, {eta['hi']:.3f}] over {eta['n_boot']} resamples of {eta['n_cells']} cells",
-                             eta["se"]))
+                             v, f"[{eta['lo']:.3f}, {eta['hi']:.3f}] over {eta['n_boot']} resamples of {eta['n_cells']} cells"
+                             + (" (not identified)" if "eta" in eta.get("unidentified", []) else ""), eta["se"]))
     meas = res["measured"]
     if meas is None:
         why = "no tiny-sweep table: run conf/sweep/infolaw_tiny.yaml (about 10 minutes) or python -m benchmarks infolaw --run"

@@ -139,8 +139,9 @@ def best_recipe(theta, N: float, D: float, U, s, **options) -> np.ndarray:
 class MuennighoffLaw(Law):
     """Data-constrained Chinchilla (Muennighoff et al. 2023): L = E + A/N′^α + B/D′^β with the effective data
     D′ = U + U R_D* (1 − exp(−R_D/R_D*)), R_D = D/U − 1 (D′ = D within the first epoch); U = Σ_k U_k, no quality.
-    ``excess_params``: also N′ = U_N + U_N R_N* (1 − exp(−R_N/R_N*)), U_N = min(N, U/tokens_per_param),
-    R_N = N/U_N − 1. Their fitted R_D* ≈ 15.4 and R_N* ≈ 5.3 are in the init grid."""
+    ``excess_params``: also N′ = U_N + U_N R_N* (1 − exp(−R_N/R_N*)), U_N = min(N, U_D/tokens_per_param) with
+    U_D = min(D, U) the unique tokens seen (their paper's definition: a run inside its first epoch has seen D, not
+    the whole pool), R_N = N/U_N − 1. Their fitted R_D* ≈ 15.4 and R_N* ≈ 5.3 are in the init grid."""
 
     name = "muennighoff"
     heldout_max = True  # the paper reports the mean and the max held-out error
@@ -157,7 +158,7 @@ class MuennighoffLaw(Law):
         Dp = U * repetition(X["D"] / U, torch.exp(log_rd))  # = U + U R*(1 − exp(−R_D/R*)), D before an epoch ends
         N = X["N"]
         if self.excess_params:
-            UN = torch.minimum(N, U / self.tokens_per_param)
+            UN = torch.minimum(N, torch.minimum(X["D"], U) / self.tokens_per_param)
             N = UN * repetition(N / UN, torch.exp(theta[6]))
         terms = torch.stack([a - alpha * torch.log(N), b - beta * torch.log(Dp), e.expand_as(N)])
         return torch.logsumexp(terms, dim=0)

@@ -18,7 +18,7 @@ import pandas as pd
 import torch
 
 from sweeps.collect import add_deltas
-from sweeps.fit import bootstrap_fit, fit_law, sign_verdict
+from sweeps.fit import bootstrap_fit, fit_law, identified_verdict, sign_verdict
 from sweeps.laws import Law, Study, register
 from sweeps.plot import ax_law, save_figure
 
@@ -27,7 +27,9 @@ class QATDeltaLaw(Law):
     """QAT error of Chen et al. (arXiv 2505.14302): δ = k · D^γ_D · (log₂ G)^γ_G / N^γ_N.
 
     ``log δ = log k + γ_D log D + γ_G log log₂ G − γ_N log N`` is linear in (log k, γ's): OLS gives the start.
-    Signs the paper reports: γ_N > 0 (∂δ/∂N < 0), γ_D > 0, γ_G > 0.
+    Signs the paper reports: γ_N > 0 (∂δ/∂N < 0), γ_D > 0, γ_G > 0. At G = 1, log₂G = 0: a sweep at that single G
+    freezes γ_G at 0 and (log₂G)^0 = 1 (its feature is taken as 0, not 0·(−∞)); G = 1 beside other G is refused,
+    as the law would put δ = 0 there.
     """
 
     name = "qat_delta"
@@ -39,7 +41,15 @@ class QATDeltaLaw(Law):
     @staticmethod
     def features(X):
         lib = torch if isinstance(X["N"], torch.Tensor) else np
-        return lib.log(X["D"]), lib.log(lib.log2(X["G"])), -lib.log(X["N"])
+        log2g = lib.log2(X["G"])
+        fg = lib.log(lib.where(log2g > 0, log2g, 1.0))  # G = 1: 0, as its γ_G is frozen at 0 (check refuses the rest)
+        return lib.log(X["D"]), fg, -lib.log(X["N"])
+
+    def check(self, X):
+        G = np.asarray(X["G"])
+        if (G <= 1).any() and len(np.unique(G)) > 1:
+            raise ValueError("qat_delta: G = 1 (or below) beside other group sizes, where (log₂G)^γ_G would make δ = 0: "
+                             "drop the G = 1 rows (--where) or fit them on their own")
 
     def log_predict(self, theta, X):
         fd, fg, fn = self.features(X)
@@ -119,14 +129,17 @@ def qat_report(table: pd.DataFrame, huber_delta: float | None = None, n_boot: in
         c = fits["w4a4"]["constants"]
         fr = fits["w4a4"]["frozen"]
         boot = out["bootstrap"].get("w4a4", {}).get("params", {})
+        unidentified = [*fits["w4a4"]["unidentified"], *out["bootstrap"].get("w4a4", {}).get("unidentified", [])]
         for claim, param, sign in QAT_SIGNS:
             if param in boot:  # the interval decides: held / not_held / inconclusive
-                out["claims"][claim] = sign_verdict(boot[param]["lo"], boot[param]["hi"], sign)
+                verdict = sign_verdict(boot[param]["lo"], boot[param]["hi"], sign)
             else:
-                out["claims"][claim] = None if param in fr else bool(sign * c[param] > 0)
+                verdict = None if param in fr else bool(sign * c[param] > 0)
+            out["claims"][claim] = identified_verdict(verdict, [param], unidentified)  # never held on a flat constant
     if "w4a16" in fits and "w16a4" in fits:
-        out["claims"]["γ_D(weight) > γ_D(activation)"] = bool(
-            fits["w4a16"]["constants"]["gamma_D"] > fits["w16a4"]["constants"]["gamma_D"])
+        out["claims"]["γ_D(weight) > γ_D(activation)"] = identified_verdict(
+            bool(fits["w4a16"]["constants"]["gamma_D"] > fits["w16a4"]["constants"]["gamma_D"]), ["gamma_D"],
+            [*fits["w4a16"]["unidentified"], *fits["w16a4"]["unidentified"]])
     a8 = table[table["precision"] == "w4a4_fc2a8"]
     if len(a8):
         keys = ["N", "D", "seed", "group_size"]

@@ -22,6 +22,7 @@ layer's rescalers t and g (codes frozen) by KL distillation to the full-precisio
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping
 
 import torch
@@ -31,11 +32,34 @@ from lightning_modules.watersic.finetune import finetune_rescalers
 from lightning_modules.watersic.quantizer import WaterSIC
 
 
+# the release's (Meta Llama) matrix names -> the transformers layer names (Llama, Qwen3)
+META_NAMES = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj", "wo": "self_attn.o_proj",
+              "w1": "mlp.gate_proj", "w3": "mlp.up_proj", "w2": "mlp.down_proj"}
+_ROWS_ENTRY = re.compile(r"^(\d+)\.(\w+):(\d+(?:,\d+)*)$")
+
+
+def parse_zero_out_rows(spec: str) -> dict[str, list[int]]:
+    """The release's ``--zero_out_rows`` string, ``"<block>.<matrix>:<row>,<row>;..."`` with Meta's matrix names
+    (``"6.w1:5723,8518; 6.w3:5723,8518"``), as the driver's {layer-name substring: [rows]}:
+    ``{"layers.6.mlp.gate_proj": [5723, 8518], "layers.6.mlp.up_proj": [5723, 8518]}``."""
+    out: dict[str, list[int]] = {}
+    for entry in filter(None, (e.replace(" ", "") for e in spec.split(";"))):
+        m = _ROWS_ENTRY.match(entry)
+        if m is None or m.group(2) not in META_NAMES:
+            raise ValueError(f"model.zero_out_rows entry {entry!r}: write <block>.<matrix>:<row>,<row> with a matrix of "
+                             f"{', '.join(META_NAMES)} (the release's format), e.g. 6.w1:5723,8518")
+        out.setdefault(f"layers.{m.group(1)}.{META_NAMES[m.group(2)]}", []).extend(int(r) for r in m.group(3).split(","))
+    return out
+
+
 class WaterSICModule(QuantizeLMModule):
     """``QuantizeLMModule`` whose default quantizer is WaterSIC (``model/quantizer=…`` runs a baseline instead), with
-    WaterSIC-FT as the ``finetune`` switch."""
+    WaterSIC-FT as the ``finetune`` switch. ``zero_out_rows`` may also be the release's string
+    (:func:`parse_zero_out_rows`)."""
 
     def __init__(self, *args, finetune: Mapping[str, Any] | None = None, **kwargs):
+        if isinstance(kwargs.get("zero_out_rows"), str):
+            kwargs["zero_out_rows"] = parse_zero_out_rows(kwargs["zero_out_rows"])
         super().__init__(*args, **kwargs)
         self.finetune = dict(finetune) if finetune else None
         if self.finetune is not None:

@@ -26,7 +26,8 @@ reproduce the paper's best runs):
   importance; ours is the attention received, the quantity that makes the attention-sink (BOS) token matter.
 - ``zero_out_rows`` (``--zero_out_rows``, the Qwen3-8B 2.125-bit headline): {layer-name substring: [rows]}; those
   output rows are set to zero and not coded (the rest of the matrix is quantized alone; the layer is charged the
-  rest's bits over all its weights). [silent]: the release's row list for Qwen3-8B is not in the spec.
+  rest's bits over all its weights). The release's Qwen3-8B rows (its README's string format) are parsed by
+  ``lightning_modules.watersic.module.parse_zero_out_rows``.
 - ``eps_search`` (``--attn_weighted_adapt_eps_joint`` / ``--qronos_adapt``): per q/k/v group, golden-section search
   (``eps_steps`` = 10 each) over q_eps (statistics (1 − q)·Qronos + q·plain) and then a_eps (the ε above), each
   minimising the relative MSE at the block's ``o_proj`` input over the calibration batches.

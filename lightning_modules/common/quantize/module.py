@@ -2,7 +2,8 @@
 subclasses. The quantizer is an object (Hydra builds it from ``conf/model/quantizer/<name>.yaml``'s ``_target_``);
 without one the module runs the common GPTQ baseline.
 
-``on_test_start``: draw ``n_calib`` calibration sequences from the datamodule's training split (seeded), run the
+``on_test_start``: draw ``n_calib`` calibration sequences from the datamodule's training split (seeded; null = all
+of it, the WaterSIC release's default ``nsamples=None``), run the
 driver (``driver.quantize_model``) on the backbone in place, and keep a full-precision copy as the reference.
 ``test_step``: token NLL of the quantized model (``test/ppl``), of the reference (``test/ppl_fp``) and
 KL(P_fp ‖ P_q) in bits per token (``test/kl_bits``, ``evaluation.kl_bits_per_token``), token-weighted over the
@@ -32,7 +33,7 @@ class QuantizeLMModule(CausalLMModule):
         rate: target bits per quantized weight (entropy + side information; log2 levels for RTN/GPTQ).
         mode: ``plain`` (Σ from the full-precision model) or ``sequential`` (Qronos statistics).
         rate_control: one global budget over all layers (fractional-rate methods only).
-        n_calib / calib_batch_size / calib_seed: calibration sequences from the training split.
+        n_calib / calib_batch_size / calib_seed: calibration sequences from the training split (None: all of it).
         kl: also evaluate the full-precision reference (``test/ppl_fp``, ``test/kl_bits``).
         stats_device: where plain mode keeps all layers' Σ (``cpu`` at paper scale); null = the model's device.
         with_limit: compute each layer's Gaussian R(D) at its achieved distortion (``quant/rd_limit``).
@@ -51,7 +52,7 @@ class QuantizeLMModule(CausalLMModule):
     """
 
     def __init__(self, backbone: Mapping[str, Any], quantizer: Quantizer | None = None,
-                 rate: float = 3.0, mode: str = "plain", rate_control: bool = True, n_calib: int = 32,
+                 rate: float = 3.0, mode: str = "plain", rate_control: bool = True, n_calib: int | None = 32,
                  calib_batch_size: int = 8, calib_seed: int = 0, kl: bool = True, with_limit: bool = True,
                  eval_sets: Mapping[str, Mapping[str, Any]] | None = None, eval_seq_len: int = 2048,
                  eval_batch_size: int = 4, stats_device: str | None = None, residual_compensation: bool = False,
@@ -111,9 +112,10 @@ class QuantizeLMModule(CausalLMModule):
         dataset = getattr(dm, "train_set", None)
         if dataset is None:
             raise ValueError("quantization needs calibration data: the datamodule must provide train_set (data=corpus)")
-        if len(dataset) < self.n_calib:
+        n = len(dataset) if self.n_calib is None else self.n_calib
+        if len(dataset) < n or n == 0:
             raise ValueError(f"model.n_calib={self.n_calib} but the training split holds {len(dataset)} sequences")
-        idx = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(self.calib_seed))[:self.n_calib]
+        idx = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(self.calib_seed))[:n]
         seqs = [dataset[int(i)]["input_ids"] for i in idx]
         return [{"input_ids": torch.stack(seqs[i:i + self.calib_batch_size])}
                 for i in range(0, len(seqs), self.calib_batch_size)]
