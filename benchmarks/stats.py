@@ -192,6 +192,17 @@ def slope(x: Sequence[float], y: Sequence[float], over: str = "points", *, level
     return from_se(b, se, n - 2, n, over, "OLS t", level=level)
 
 
+def dispersion(chi2: float, dof: int, over: str = "cells", *, level: float = LEVEL) -> Estimate:
+    """Pearson χ²/dof of a count fit (1 = binomial noise alone) with its interval from χ² ~ φ·χ²(dof)."""
+    from scipy import stats
+
+    if dof < 1:
+        return Estimate(None, n=dof, over=over)
+    a = (1 - level) / 2
+    return Estimate(chi2 / dof, chi2 / stats.chi2.ppf(1 - a, dof), chi2 / stats.chi2.ppf(a, dof), None, dof, dof,
+                    over, "χ² (overdispersion)", level)
+
+
 def ratio(a: Sequence[float], b: Sequence[float], over: str, *, paired: bool, level: float = LEVEL) -> Estimate:
     """mean(a) / mean(b) with a delta-method SE (the covariance term when both arms share replicates), t on
     n − 1 degrees of freedom (the smaller arm's when unpaired)."""

@@ -12,8 +12,8 @@ import pytest
 from benchmarks.report import load_all, render
 from benchmarks.tables import render_coverage
 from benchmarks.tiny_runs import load_tiny
-from benchmarks.schema import (RESULTS, ROOT, Claim, load, mean_se, missing_extra, run_benchmark, validate,
-                               verdict_at_least, verdict_at_most, write_results)
+from benchmarks import stats
+from benchmarks.schema import RESULTS, ROOT, arms_table, load, missing_extra, run_benchmark, validate, write_results
 
 COMMITTED = sorted(RESULTS.glob("*.json"))
 # The specs live beside a checkout in our workplace (../shared/), not in the repository: the check runs where they are.
@@ -46,9 +46,11 @@ def test_quotes_are_verbatim_from_the_abstracts():
 def _doc(tmp_path: Path) -> dict:
     fig = tmp_path / "curve.png"
     fig.write_bytes(b"\x89PNG\r\n\x1a\n")
-    claims = [Claim("a", "some words", "ratio", 0.5, "<= 0.65", "held", "0.5 <= 0.65", 0.01, 3),
-              Claim("b", "other words", "gap", None, "paper: 0.255", "not_measurable_here", "needs a GPU")]
-    path = write_results("toy", claims, wall_s=12.34, figures=[fig], command="python -m benchmarks.toy", out_dir=tmp_path)
+    claims = [stats.claim("a", "some words", "ratio", stats.mean([0.49, 0.5, 0.51]), expect="<", threshold=0.65,
+                          our_threshold="0.65: the issue's target", why="0.5 vs 0.65", n_seeds=3, n_items=None),
+              stats.not_measurable("b", "other words", "gap", paper_value="0.255 (abstract)", why="needs a GPU")]
+    path = write_results("toy", claims, wall_s=12.34, figures=[fig], command="python -m benchmarks.toy", out_dir=tmp_path,
+                         scale={"model": "toy", "seeds": 3}, arms=[arms_table("per arm", ["arm", "x"], [["a", 0.5]])])
     return json.loads(path.read_text())
 
 
@@ -88,18 +90,6 @@ def test_bad_results_name_file_and_field(tmp_path, mutate, field):
         load(path)
 
 
-def test_verdicts_follow_value_target_and_noise():
-    assert verdict_at_most(0.5, 0.65) == "held" and verdict_at_most(0.7, 0.65) == "not_held"
-    assert verdict_at_most(0.6, 0.65, stderr=0.1) == "inconclusive"  # 0.6 ± 0.16 straddles 0.65
-    assert verdict_at_least(0.3, 0.0, stderr=0.1) == "held" and verdict_at_least(-0.3, 0.0, stderr=0.1) == "not_held"
-    assert verdict_at_least(0.1, 0.0, stderr=0.1) == "inconclusive" and verdict_at_least(None, 0.0) == "inconclusive"
-    assert verdict_at_least(0.0, 0.0) == "held" and verdict_at_least(0.0, 0.0, strict=True) == "not_held"
-    assert verdict_at_most(1.0, 1.0, strict=True) == "not_held" and verdict_at_most(0.99, 1.0, strict=True) == "held"
-    m, se, n = mean_se([1.0, 2.0, 3.0, 6.0])
-    assert (m, n) == (3.0, 4) and math.isclose(se, math.sqrt(14 / 3 / 4))
-    assert mean_se([2.0]) == (2.0, None, 1)
-
-
 def test_run_benchmark_writes_claims_derived_from_main(tmp_path):
     seen = {}
 
@@ -108,12 +98,13 @@ def test_run_benchmark_writes_claims_derived_from_main(tmp_path):
         return {"ratio": 0.5}
 
     def claims(res, argv):
-        v = verdict_at_most(res["ratio"], 0.65)
-        return [Claim("mem", "peak GPU memory", "ratio", res["ratio"], "<= 0.65", v, f"{res['ratio']} vs 0.65")], []
+        est = stats.single(res["ratio"])
+        return [stats.claim("mem", "peak GPU memory", "ratio", est, expect="<", threshold=0.65, why="one run",
+                            n_seeds=1, n_items=None)], []
 
     doc = load(run_benchmark("toy", main, claims, argv=["--updates", "3"], out_dir=tmp_path))
     assert seen["argv"] == ["--updates", "3"] and doc["command"].endswith("--updates 3")
-    assert doc["claims"][0]["verdict"] == "held" and doc["wall_s"] >= 0
+    assert doc["claims"][0]["verdict"] == "inconclusive" and doc["wall_s"] >= 0  # one run: no noise estimate
 
 
 def test_missing_dependency_names_the_extra():
@@ -144,5 +135,6 @@ def test_run_benchmark_records_the_commit_it_started_on(tmp_path, monkeypatch):
         tree["dirty"] = True  # the run writes into tracked files
         return 1.0
 
-    claims = lambda result, argv: ([Claim("a", "some words", "x", result, ">= 0", "held", "one run")], [])
+    claims = lambda result, argv: ([stats.claim("a", "some words", "x", stats.single(result), expect=">", why="one run",
+                                                n_seeds=1, n_items=None)], [])
     assert json.loads(run_benchmark("toy", main, claims, argv=[], out_dir=tmp_path).read_text())["commit"] == "1a2b3c4"

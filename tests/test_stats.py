@@ -101,6 +101,8 @@ def test_references():
     xs, ys = np.arange(8.0), np.array([0.1, 0.5, 0.7, 1.4, 1.5, 2.2, 2.4, 2.9])
     s, lr = stats.slope(xs, ys), sp.linregress(xs, ys)
     assert math.isclose(s.value, lr.slope) and math.isclose(s.se, lr.stderr)
+    phi = stats.dispersion(64.0, 32)  # chi2 = 2 x dof: overdispersion 2, interval from the chi2(32) quantiles
+    assert phi.value == 2 and math.isclose(phi.lo, 64 / sp.chi2.ppf(0.95, 32)) and phi.hi > 2 > phi.lo
 
 
 def test_within_margin_and_every_competitor():
