@@ -380,7 +380,7 @@ def _spec() -> dict:
                 "benchmarks": P(paper_value="FollowIR 28.5, p-MRR +15.6; instruction mean 67.08 (main table)"),
             }},
         "llr": {
-            "scale": {"model": "tiny LLaMA (hidden 64, 4 heads, vocab 2048)", "params": 369024, "layers": 2,
+            "scale": {"model": "tiny LLaMA (hidden 64, 4 heads, vocab 2048)", "params": 368960, "layers": 2,
                       "data": "embedded corpus, seq 64 × batch 8", "steps": 120, "seeds": 3,
                       "eval": "4 val batches × 8 × 64 tokens"},
             "arms": [arms_table("final val loss, mean over 3 seeds", ["arm", "final val loss"],
