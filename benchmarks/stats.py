@@ -97,6 +97,14 @@ def from_se(value: float, se: float | None, df: float | None, n: int, over: str,
     return Estimate(float(value), value - h, value + h, float(se), df, n, over, method, lv, paired, candidates)
 
 
+def given(value: float, lo: float | None, hi: float | None, *, n: int, over: str, method: str,
+          level: float = LEVEL) -> Estimate:
+    """An interval computed elsewhere (a bootstrap in ``sweeps.fit``), taken as it is; None ends: no interval."""
+    if lo is None or hi is None:
+        return Estimate(float(value), n=n, over=over)
+    return Estimate(float(value), float(lo), float(hi), None, None, n, over, method, level)
+
+
 def mean(xs: Sequence[float], over: str = "seeds", *, level: float = LEVEL, candidates: int = 1) -> Estimate:
     """Mean with a Student-t interval on n − 1 degrees of freedom (no interval for one value)."""
     a = _finite(xs)
