@@ -324,10 +324,11 @@ def case_bootstrap_fit(law: Law | str, df: pd.DataFrame, n_boot: int = 1000, lev
 
 
 def sign_verdict(lo: float, hi: float, sign: int) -> str:
-    """held: the interval excludes 0 on the expected side; not_held: on the other; inconclusive: it contains 0."""
-    if lo > 0 or hi < 0:
-        return "held" if (lo > 0) == (sign > 0) else "not_held"
-    return "inconclusive"
+    """held: the interval excludes 0 on the expected side; not_held: on the other; inconclusive: it contains 0 (or
+    has no width). The rule is ``benchmarks/stats.py``'s, the one place a verdict is computed."""
+    from benchmarks.stats import decide
+
+    return decide(0.5 * (lo + hi), [lo, hi], ">" if sign > 0 else "<", 0.0)[0]
 
 
 def markdown(report: dict) -> str:
