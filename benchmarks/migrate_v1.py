@@ -202,6 +202,7 @@ def _spec() -> dict:
                 "api_models": P(paper_value="excellent agreement in most cases (Gemini 2.5 Flash / Pro, DeepSeek R1)"),
             }},
         "esr": {
+            "figure": ("rates", ["multi-attempt", "ESR"], "rate over 32 steered answers", None),
             "scale": {"model": TINY_LM + " + a trained SAE", "params": 1311872, "layers": 4,
                       "data": "esr_tiny topics; self-correction fine-tunes at mix 0.1 / 0.5 / 0.9",
                       "steps": "100 per fine-tune", "seeds": 1, "eval": "32 steered and 24 unsteered answers per run, "
@@ -268,6 +269,7 @@ def _spec() -> dict:
                                            "'Main'"),
             }},
         "hici": {
+            "figure": ("retrieval", ["accuracy"], "retrieval accuracy (256 samples)", 0.125),
             "scale": {"model": TINY_LM + " with LoRA + embed/norm (hici_tiny)", "params": 1311872, "layers": 4,
                       "data": "key–value retrieval at 64 tokens, 4 segments (chance 1/8)", "steps": "300 × 16 per arm",
                       "seeds": 1, "eval": "256 held-out samples per arm and mode"},
@@ -400,6 +402,7 @@ def _spec() -> dict:
                 "zero_shot_1b": P(paper_value="47.09% → 49.02% average zero-shot, 1B (abstract)"),
             }},
         "manifoldkv": {
+            "figure": ("needles", ["ManifoldKV", "KeyDiff"], "share of needles kept", None),
             "scale": {"model": "one attention head, d = 64 (planted keys)", "params": None, "layers": None,
                       "data": "4096 haystack keys + 8 needles per trial", "steps": "none", "seeds": 20,
                       "eval": "160 needles (20 trials × 8) per compression ratio"},
@@ -414,6 +417,7 @@ def _spec() -> dict:
                 "ruler_4k_16k": P(paper_value="95.7% RULER at 4K–16K, 20% compression (abstract)"),
             }},
         "mdlm_masks": {
+            "figure": ("accuracy", ["acc"], "accuracy (%), base arm", None),
             "scale": {"model": "tiny-mdlm (masked-diffusion LLaMA, hidden 128)", "params": 1074816, "layers": 4,
                       "data": "rule induction, 16 tasks", "steps": "200 fine-tune steps (CE-only, CE+TV)", "seeds": 1,
                       "eval": "256 queries per (k, distance) cell"},
@@ -495,6 +499,7 @@ def _spec() -> dict:
                                                   "(papernotes)"),
             }},
         "rlkv": {
+            "figure": ("accuracy", ["RLKV", "random", "Duo", "token dropping (best)"], "greedy accuracy", 0.969),
             "scale": {"model": TINY_LM + " warmed up on 1-digit word problems (8 KV heads)", "params": 1311872,
                       "layers": 4, "data": "1-digit word problems (train split)",
                       "steps": "RL probe 60, DuoAttention 200 per seed", "seeds": 3,
@@ -523,6 +528,7 @@ def _spec() -> dict:
                 "speedup": P(paper_value="up to 2.06× end-to-end at 60% reduction (SGLang, 8B; abstract)"),
             }},
         "spard": {
+            "figure": ("asr", ["ASR", "accuracy"], "rate, mean over 3 seeds", None),
             "scale": {"model": TINY_LM + " aligned (spard_tiny)", "params": 1311872, "layers": 4,
                       "data": "planted-secret harmful fine-tuning: 400 task examples + poison", "steps": "100 per arm "
                       "(5 arms)", "seeds": 3, "eval": "64 test prompts per kind; 4 attack styles"},
@@ -574,11 +580,15 @@ def _spec() -> dict:
                              n_items=7, paper_value="1.27× at ~30% pruning (abstract)"),
                 "coupling": P(est=t_items(6, "domains"), expect=">", n_seeds=1, n_items=6,
                               paper_value="scenario subspaces activate consistent pathways (abstract)"),
-                "probes": P(est=none, expect=">", n_seeds=1, n_items=U,
+                "probes": P(est=fixed(S.proportion(103, 192, "val passages", candidates=4)), expect=">",
+                            threshold=1 / 6, n_seeds=1, n_items=192,
+                            metric="best-layer probe accuracy (val pools, 6 domains) against chance",
                             paper_value="efficient layer-wise linear probes (abstract)",
-                            note="the best of 4 layers, no count of val items stored"),
-                "dbs_quasi_orthogonal": P(est=none, expect="<", n_seeds=1, n_items=None,
-                                          paper_value="a quasi-orthogonal basis of domain axes (abstract)"),
+                            note="accuracy 0.536 of 6 × 32 val passages (the default pools), the best of 4 layers: "
+                                 "Bonferroni over 4"),
+                "dbs_quasi_orthogonal": P(est=none, expect="<", n_seeds=1, n_items=None, role="by_construction",
+                                          paper_value="a quasi-orthogonal basis of domain axes (abstract)",
+                                          note="DBS picks greedily to minimise the largest |cos|"),
                 "scenario_vs_global": P(est=none, expect="<", n_seeds=1, n_items=U,
                                         degenerate="pruning not matched: 62% (scenario) vs 31% (global)"),
                 "compile_ms": P(est=none, expect="<", threshold=100.0, n_seeds=1, n_items=18,
@@ -656,6 +666,13 @@ def migrate(doc: dict, spec: dict) -> dict:
                    f"measured at {doc['commit']} under schema 1; the verdicts were recomputed from the stored numbers "
                    "by benchmarks/migrate_v1.py (issue 41); a rerun at one commit is pending"),
                claims=claims, migrated={"from_schema": 1, "changes": changes})
+    if spec.get("figure") and not out["figures"]:  # a figure from the stored per-arm table
+        from benchmarks.figures import bars
+
+        name, cols, ylabel, hline = spec["figure"]
+        fig = bars(spec["arms"][0], RESULTS / f"{doc['paper']}_{name}.png", cols, ylabel=ylabel, hline=hline,
+                   title=f"{doc['paper']} (schema-1 numbers): {ylabel}")
+        out["figures"] = [fig.name]
     if spec.get("provenance"):
         out["provenance"] = (f"measured at {doc['commit']} under schema 1, verdicts recomputed by "
                              f"benchmarks/migrate_v1.py; {spec['provenance']}")

@@ -155,6 +155,18 @@ def header(docs: list[dict], run_log: dict | None) -> list[str]:
     return out
 
 
+def comparisons(c: dict, shown: int = 6) -> str:
+    """An 'every competitor' claim's comparisons: each one, or past ``shown`` the tally and the ones not held."""
+    xs = c["comparisons"]
+    one = lambda x: f"vs {x['against']} {measured(x)} {MARK[x['verdict']].strip('*')}"  # noqa: E731
+    if len(xs) <= shown:
+        return f"{c['id']}, every comparison: " + "; ".join(map(one, xs)) + "."
+    tally = Counter(x["verdict"] for x in xs)
+    rest = [x for x in xs if x["verdict"] != "held"][:shown]
+    return (f"{c['id']}, {len(xs)} comparisons: " + ", ".join(f"{n} {MARK[v].strip('*')}" for v, n in tally.items())
+            + (("; not held or inconclusive: " + "; ".join(map(one, rest))) if rest else "") + ".")
+
+
 def changes(d: dict) -> list[str]:
     """A migrated file's verdicts that the rule changed (until the rerun replaces it)."""
     ch = (d.get("migrated") or {}).get("changes") or []
@@ -198,8 +210,7 @@ def render(docs: list[dict], figures_prefix: str = "results/", coverage: list[st
                        f"{_cell(verdict(c))} | {_cell(c['why'])} |")
         for c in d["claims"]:
             if c.get("comparisons"):
-                out += ["", f"{c['id']}, every competitor: " + "; ".join(
-                    f"vs {x['against']} {measured(x)} {MARK[x['verdict']].strip('*')}" for x in c["comparisons"]) + "."]
+                out += ["", comparisons(c)]
         out += changes(d)
         for t in d.get("arms") or []:
             out += ["", *_table(t)]
