@@ -1,6 +1,6 @@
 """DLLMQuant benchmark on the cached tiny-mdlm: the same arithmetic prompts and calibration budget for every method.
 
-    python -m benchmarks dllmquant              # 7 methods × W4A4 / W4A16, 32 calibration states, 32 test problems
+    python -m benchmarks dllmquant              # 7 methods × W4A4 / W4A16, 32 calibration states, 32 test problems: 2.9 min measured
     python -m benchmarks dllmquant --quick      # 3 methods at W4A4, 8 states, 4 problems (a wiring check)
 
 Methods (each one run of experiment ``dllmquant_tiny`` with overrides; FP is the reference every run also scores):

@@ -8,7 +8,8 @@
    held-out largest-n deviance; r of plain against delimited; (r, q) from the even and the odd instances, with
    90% intervals from the observed Fisher information in (log r, log q).
 
-    python -m benchmarks error_law                 # full: 1200 steps, 64 instances per cell (≤ 10 min idle)
+    python -m benchmarks error_law                 # full: 1200 steps, 64 instances per cell (time not
+                                                   # measured yet: the committed numbers were summarised from a run)
     python -m benchmarks error_law --quick         # the smallest settings that exercise every part
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 unsteered, off-topic-detector ablation vs random equal-size sets, and the four meta-prompts on the base model.
 Every run reports multi-attempt, ESR, improvement, mean Δ and binomial SEs (test/<condition>/*).
 
-    python -m benchmarks esr                 # 8 runs of esr_tiny (~1 min each idle)
+    python -m benchmarks esr                 # 8 runs of esr_tiny: 3.3 min measured (2 shared cores)
     python -m benchmarks esr --quick         # 3 small runs (base, mix 0.5, meta-prompt 1): proves the wiring
 
 A 4-layer LM cannot show scale-emergent ESR; what it can show is whether the fine-tune teaches a restart under a

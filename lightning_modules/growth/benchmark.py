@@ -6,7 +6,7 @@ interposition vs stacking; noisy (α = 0.01), noiseless (α = 0) and random-rout
 shape for the same extra steps (same extra FLOPs) and for the source's FLOPs on top (equal total compute); and the
 sunk-cost study: the main recipe from every snapshot. Metric: the held-out test loss of the embedded corpus.
 
-    OMP_NUM_THREADS=1 python -m benchmarks growth            # ~10 min on 2 idle cores
+    OMP_NUM_THREADS=1 python -m benchmarks growth            # 13.7 min measured (2 shared cores, 87f5553)
     OMP_NUM_THREADS=1 python -m benchmarks growth --quick    # the same path in ~2 min
 """
 from __future__ import annotations

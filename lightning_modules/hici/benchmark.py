@@ -15,7 +15,7 @@ greedy next token at the answer position, with a 95% Wilson interval.
 Cost (``--cost``): one attention layer (tiny_llama shape) forward+backward time and the bytes autograd saves for
 backward (counted with saved-tensor hooks, so arms compare in one process), HiCI vs full, at several lengths.
 
-    python -m benchmarks hici                      # default: about 10 minutes on 2 idle cores
+    python -m benchmarks hici                      # default: 11.1 min measured (2 shared cores)
     python -m benchmarks hici --steps 60 --eval-samples 64 --arms full     # the go/no-go, minutes
     python -m benchmarks hici --cost --lengths 1024 2048 4096 8192
 """

@@ -10,7 +10,7 @@ Measured (when ``sweeps/results/infolaw_tiny.csv`` exists, or with ``--run``): t
 models' clean held-out losses, loss against w_hq for each D (the U-shape once e_hq >> 1), and the predicted best
 w_hq per D beside the measured best.
 
-    python -m benchmarks infolaw                # the planted fits (+ the committed table): minutes
+    python -m benchmarks infolaw                # the planted fits (+ the committed table): 1.4 min measured
     python -m benchmarks infolaw --quick        # the planted InfoLaw recovery fit only
     python -m benchmarks infolaw --run          # first a 12-job mini-grid (w_hq 4 x D 3 at N = t300k), ~15 min
 """

@@ -12,7 +12,7 @@ about generated object passages; held-out test objects). Per seed:
 Reported: test nDCG@10 (retrieval of objects sharing the asked value) and k-means V-measure (against the asked
 attribute), averaged over the three instructions, and ms per embedding.
 
-    python -m benchmarks instemb                  # 5 trained arms x 2 seeds x 100 steps (~8 min idle)
+    python -m benchmarks instemb                  # 5 trained arms x 2 seeds x 100 steps: 10.3 min measured
     python -m benchmarks instemb --quick          # instemb and no_s2_output, 1 seed, 30 steps: proves it runs
 """
 from __future__ import annotations

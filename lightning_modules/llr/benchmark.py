@@ -15,7 +15,7 @@ Prints the final validation loss per arm (mean ± std over seeds) and the ratio 
 its final validation loss to the steps LLR needs (the paper claims up to 1.5x), writes curves (PNG + JSON), and
 compares our per-layer α with the ``weightwatcher`` package's on the same trained weights.
 
-    python -m benchmarks llr      # small default: hidden 64, 2 layers, 120 steps, 3 seeds (~5 min on 2 free cores)
+    python -m benchmarks llr      # small default: hidden 64, 2 layers, 120 steps, 3 seeds: 0.7 min measured (2 shared cores)
     python -m benchmarks llr --steps 600 --seq-len 256 --hidden 128 --layers 4 --every 20 --ramp 10 --eval-every 50
 """
 from __future__ import annotations

@@ -14,7 +14,7 @@ updates, and the run's maximum), gradient-norm variance, reward over the last qu
 final greedy accuracy; then ratios against GRPO packed. Claims go to ``benchmarks/results/ps_ppo.json``
 (target: PS-PPO packed peak ≤ 0.65× GRPO packed at matched reward within noise).
 
-    python -m benchmarks ps_ppo                  # 30 updates, micro-batch 4 rows
+    python -m benchmarks ps_ppo                  # 30 updates, micro-batch 4 rows: 1.4 min measured
     python -m benchmarks ps_ppo --updates 40 --group-size 8 --experiment-args data.n_train=16 data.n_val=16 \
         model.optimizer.lr=1e-4                  # a fixed pool of 16 prompts
     python -m benchmarks ps_ppo --updates 200 --micro-batch 1 --experiment-args data.task=word_problems

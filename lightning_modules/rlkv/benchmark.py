@@ -14,7 +14,7 @@ Planted check: stream one head at a time (the others full) and measure the incre
 answer NLL (teacher-forced through the pressed cache): an oracle importance per head. Its Spearman correlation with
 each seed's gates, averaged over seeds, with a permutation p-value (each seed's gates permuted independently).
 
-    python -m benchmarks rlkv            # full: 3 seeds, ~10 min on 2 idle cores
+    python -m benchmarks rlkv            # full: 3 seeds, 3.4 min measured (2 shared cores)
     python -m benchmarks rlkv --quick    # 1 seed, a few steps: proves the pipeline
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ test ASR per attack style (direct / instruction / paraphrase / question) and the
 match), and the SPAG trigger rate; per seed, RD-DPP against random selection: mean max-cosine relevance of the
 chosen safe set to the user data, and its mean pairwise cosine (redundancy).
 
-    python -m benchmarks spard                                # 5 arms x 3 seeds x 100 steps (~10 min idle)
+    python -m benchmarks spard                                # 5 arms x 3 seeds x 100 steps: 6.8 min measured
     python -m benchmarks spard --quick                        # 2 arms x 1 seed x 40 steps: proves it runs
 """
 from __future__ import annotations
