@@ -47,8 +47,10 @@ def _doc(tmp_path: Path) -> dict:
     fig = tmp_path / "curve.png"
     fig.write_bytes(b"\x89PNG\r\n\x1a\n")
     claims = [stats.claim("a", "some words", "ratio", stats.mean([0.49, 0.5, 0.51]), expect="<", threshold=0.65,
-                          our_threshold="0.65: the issue's target", why="0.5 vs 0.65", n_seeds=3, n_items=None),
-              stats.not_measurable("b", "other words", "gap", paper_value="0.255 (abstract)", why="needs a GPU")]
+                          our_threshold="the issue's target", why="0.5 vs 0.65", n_seeds=3, n_items=None),
+              stats.not_measurable("b", "other words", "gap", paper_value="0.255 (abstract)", why="needs a GPU"),
+              stats.claim("c", "more words", "acc", stats.proportion(30, 32, "prompts"), expect=">", threshold=0.5,
+                          why="a go/no-go", n_seeds=1, n_items=32, role="control")]
     path = write_results("toy", claims, wall_s=12.34, figures=[fig], command="python -m benchmarks.toy", out_dir=tmp_path,
                          scale={"model": "toy", "seeds": 3}, arms=[arms_table("per arm", ["arm", "x"], [["a", 0.5]])])
     return json.loads(path.read_text())
@@ -57,19 +59,31 @@ def _doc(tmp_path: Path) -> dict:
 def test_writer_round_trip_and_render(tmp_path):
     doc = _doc(tmp_path)
     assert doc["figures"] == ["toy_curve.png"] and (tmp_path / "toy_curve.png").is_file()
-    assert doc["wall_s"] == 12.3 and doc["machine"]["cores"] >= 1 and [c["id"] for c in doc["claims"]] == ["a", "b"]
+    assert doc["wall_s"] == 12.3 and doc["machine"]["cores"] >= 1
+    assert [c["id"] for c in doc["claims"]] == ["a", "b", "c"] and doc["scale"] == {"model": "toy", "seeds": 3}
     assert load(tmp_path / "toy.json") == doc
     md = render([doc])
+    assert md.index(stats.RULE) < md.index("| [toy]")  # the rule, stated once, at the top
     summary = next(line for line in md.splitlines() if line.startswith("| [toy]"))
-    assert [int(x) for x in summary.split("|")[2:6]] == [1, 0, 0, 1]  # held, not held, inconclusive, not measurable
-    assert "| 0.5 ± 0.01 (n=3) |" in md and "![toy_curve.png](results/toy_curve.png)" in md
-    assert "python -m benchmarks.toy" in md
+    # held, not held, inconclusive, not measurable; the control is judged but not counted
+    assert [int(x) for x in summary.split("|")[2:7]] == [1, 0, 0, 1, 1]
+    row = next(line for line in md.splitlines() if line.startswith("| a |"))
+    lo, hi = doc["claims"][0]["interval"]
+    assert f"| 0.5 [{lo:.4g}, {hi:.4g}] |" in row and "seeds 3 · items —; 90% t, df 2 over 3 seeds" in row
+    assert "< 0.65 (ours: the issue's target)" in row and "| held (tiny scale) |" in row
+    assert "held (tiny scale) · control, not counted" in md and "reproduced" not in md.replace("is reproduced", "")
+    assert "**Scale**: model toy · seeds 3 · wall 0.2 min" in md and "| a | 0.5 |" in md  # scale, per-arm table
+    assert "![toy_curve.png](results/toy_curve.png)" in md and "python -m benchmarks.toy" in md
 
 
 @pytest.mark.parametrize("mutate, field", [
     (lambda d: d["claims"][0].update(verdict="maybe"), "claims[0].verdict"),
+    (lambda d: d["claims"][0].update(verdict="not_held"), "claims[0].verdict"),  # the interval says held
+    (lambda d: d["claims"][0].update(interval=None), "claims[0].verdict"),     # no noise estimate: not held
+    (lambda d: d["claims"][0].pop("n_seeds"), "claims[0].n_seeds"),
+    (lambda d: d.update(schema=1), "schema"),
     (lambda d: d.pop("machine"), "machine"),
-    (lambda d: d["claims"][1].update(verdict="held"), "claims[1].value"),
+    (lambda d: d["claims"][1].update(verdict="held"), "claims[1].expect"),  # a verdict needs a test
     (lambda d: d["claims"][0].update(value=float("nan")), "claims[0].value"),
     (lambda d: d["claims"][1].update(id="a"), "claims[1].id"),
     (lambda d: d["claims"][0].pop("why"), "claims[0].why"),
@@ -138,3 +152,59 @@ def test_run_benchmark_records_the_commit_it_started_on(tmp_path, monkeypatch):
     claims = lambda result, argv: ([stats.claim("a", "some words", "x", stats.single(result), expect=">", why="one run",
                                                 n_seeds=1, n_items=None)], [])
     assert json.loads(run_benchmark("toy", main, claims, argv=[], out_dir=tmp_path).read_text())["commit"] == "1a2b3c4"
+
+
+def test_a_command_naming_a_temporary_folder_is_refused(tmp_path):
+    import tempfile
+
+    with pytest.raises(SystemExit, match="temporary folder"):
+        run_benchmark("toy", lambda argv: 1.0, lambda r, a: ([], []), argv=["--from-run", f"{tempfile.gettempdir()}/elr4"],
+                      out_dir=tmp_path)
+
+
+def test_verdicts_are_computed_only_in_benchmarks_stats():
+    """No benchmark (or sweep) writes a verdict itself: no verdict string, no hand-built Claim, none of the old
+    helpers; it builds claims with benchmarks.stats.claim / not_measurable (schema.validate rechecks each one)."""
+    import ast
+
+    files = sorted(ROOT.glob("lightning_modules/*/benchmark.py")) + sorted(ROOT.glob("sweeps/*.py"))
+    bad = []
+    for path in files:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in ("held", "not_held", "inconclusive"):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: the verdict string {node.value!r}")
+            if isinstance(node, ast.ImportFrom) and node.module == "benchmarks.schema":
+                for a in node.names:
+                    if a.name in ("Claim", "verdict_at_least", "verdict_at_most"):
+                        bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: imports {a.name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_benchmarks_all_refuses_a_dirty_tree_and_goes_on_after_a_failure(tmp_path, monkeypatch):
+    import benchmarks.all as run_all
+
+    monkeypatch.setattr(run_all, "dirty", lambda: ["runner.py"])
+    with pytest.raises(SystemExit, match="differs from HEAD .*runner.py"):
+        run_all.main(["--papers", "llr"])
+    monkeypatch.setattr(run_all, "dirty", lambda: [])
+    monkeypatch.setattr(run_all, "RUN_LOG", tmp_path / "run.json")
+    ran = []
+
+    def fake(paper, timeout):
+        ran.append(paper)
+        return {"status": "failed" if paper == "hici" else "ok", "rc": 1 if paper == "hici" else 0, "wall_s": 1.0,
+                "log": "x", "tail": ["boom"]}
+
+    monkeypatch.setattr(run_all, "run_one", fake)
+    assert run_all.main(["--papers", "hici", "llr"]) == 1  # the failure is reported ...
+    log = json.loads((tmp_path / "run.json").read_text())
+    assert ran == ["hici", "llr"] and log["papers"]["hici"]["status"] == "failed"  # ... and the rest still ran
+    assert log["commit"] and log["finished"]
+
+
+def test_run_one_records_a_failing_benchmark(tmp_path):
+    import benchmarks.all as run_all
+
+    rec = run_all.run_one("no_such_paper", timeout=60, log_dir=tmp_path)
+    assert rec["status"] == "failed" and rec["rc"] == 2 and "no benchmark for 'no_such_paper'" in rec["tail"][-1]
