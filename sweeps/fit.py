@@ -97,8 +97,10 @@ def zero_width(interval: dict) -> bool:
 
 
 def identified_verdict(verdict, needs, unidentified) -> str | bool | None:
-    """``verdict`` unless a constant in ``needs`` is in ``unidentified``: then ``inconclusive``."""
-    return "inconclusive" if set(needs) & set(unidentified) else verdict
+    """``verdict`` unless a constant in ``needs`` is not identified by the fit (``benchmarks/stats.py`` decides)."""
+    from benchmarks.stats import identified_verdict as decide_identified
+
+    return decide_identified(verdict, needs, unidentified)
 
 
 def _minimise(law: Law, X: dict, logy: torch.Tensor, x0: np.ndarray, free: np.ndarray, delta: float):
@@ -388,10 +390,11 @@ def _boot_unidentified(full: FitResult, params: dict) -> list[str]:
 
 
 def sign_verdict(lo: float, hi: float, sign: int) -> str:
-    """held: the interval excludes 0 on the expected side; not_held: on the other; inconclusive: it contains 0."""
-    if lo > 0 or hi < 0:
-        return "held" if (lo > 0) == (sign > 0) else "not_held"
-    return "inconclusive"
+    """held: the interval excludes 0 on the expected side; not_held: on the other; inconclusive: it contains 0 (or
+    has no width). The rule is ``benchmarks/stats.py``'s, the one place a verdict is computed."""
+    from benchmarks.stats import decide
+
+    return decide(0.5 * (lo + hi), [lo, hi], ">" if sign > 0 else "<", 0.0)[0]
 
 
 def markdown(report: dict) -> str:

@@ -12,8 +12,8 @@ import pytest
 from benchmarks.report import load_all, render
 from benchmarks.tables import render_coverage
 from benchmarks.tiny_runs import load_tiny
-from benchmarks.schema import (RESULTS, ROOT, Claim, load, mean_se, missing_extra, run_benchmark, validate,
-                               verdict_at_least, verdict_at_most, write_results)
+from benchmarks import stats
+from benchmarks.schema import RESULTS, ROOT, arms_table, load, missing_extra, run_benchmark, validate, write_results
 
 COMMITTED = sorted(RESULTS.glob("*.json"))
 # The specs live beside a checkout in our workplace (../shared/), not in the repository: the check runs where they are.
@@ -46,28 +46,44 @@ def test_quotes_are_verbatim_from_the_abstracts():
 def _doc(tmp_path: Path) -> dict:
     fig = tmp_path / "curve.png"
     fig.write_bytes(b"\x89PNG\r\n\x1a\n")
-    claims = [Claim("a", "some words", "ratio", 0.5, "<= 0.65", "held", "0.5 <= 0.65", 0.01, 3),
-              Claim("b", "other words", "gap", None, "paper: 0.255", "not_measurable_here", "needs a GPU")]
-    path = write_results("toy", claims, wall_s=12.34, figures=[fig], command="python -m benchmarks.toy", out_dir=tmp_path)
+    claims = [stats.claim("a", "some words", "ratio", stats.mean([0.49, 0.5, 0.51]), expect="<", threshold=0.65,
+                          our_threshold="the issue's target", why="0.5 vs 0.65", n_seeds=3, n_items=None),
+              stats.not_measurable("b", "other words", "gap", paper_value="0.255 (abstract)", why="needs a GPU"),
+              stats.claim("c", "more words", "acc", stats.proportion(30, 32, "prompts"), expect=">", threshold=0.5,
+                          why="a go/no-go", n_seeds=1, n_items=32, role="control")]
+    path = write_results("toy", claims, wall_s=12.34, figures=[fig], command="python -m benchmarks.toy", out_dir=tmp_path,
+                         scale={"model": "toy", "seeds": 3}, arms=[arms_table("per arm", ["arm", "x"], [["a", 0.5]])])
     return json.loads(path.read_text())
 
 
 def test_writer_round_trip_and_render(tmp_path):
     doc = _doc(tmp_path)
     assert doc["figures"] == ["toy_curve.png"] and (tmp_path / "toy_curve.png").is_file()
-    assert doc["wall_s"] == 12.3 and doc["machine"]["cores"] >= 1 and [c["id"] for c in doc["claims"]] == ["a", "b"]
+    assert doc["wall_s"] == 12.3 and doc["machine"]["cores"] >= 1
+    assert [c["id"] for c in doc["claims"]] == ["a", "b", "c"] and doc["scale"] == {"model": "toy", "seeds": 3}
     assert load(tmp_path / "toy.json") == doc
     md = render([doc])
+    assert md.index(stats.RULE) < md.index("| [toy]")  # the rule, stated once, at the top
     summary = next(line for line in md.splitlines() if line.startswith("| [toy]"))
-    assert [int(x) for x in summary.split("|")[2:6]] == [1, 0, 0, 1]  # held, not held, inconclusive, not measurable
-    assert "| 0.5 ± 0.01 (n=3) |" in md and "![toy_curve.png](results/toy_curve.png)" in md
-    assert "python -m benchmarks.toy" in md
+    # held, not held, inconclusive, not measurable; the control is judged but not counted
+    assert [int(x) for x in summary.split("|")[2:7]] == [1, 0, 0, 1, 1]
+    row = next(line for line in md.splitlines() if line.startswith("| a |"))
+    lo, hi = doc["claims"][0]["interval"]
+    assert f"| 0.5 [{lo:.4g}, {hi:.4g}] |" in row and "seeds 3 · items —; 90% t, df 2 over 3 seeds" in row
+    assert "< 0.65 (ours: the issue's target)" in row and "| held (tiny scale) |" in row
+    assert "held (tiny scale) · control, not counted" in md and "reproduced" not in md.replace("is reproduced", "")
+    assert "**Scale**: model toy · seeds 3 · wall 0.2 min" in md and "| a | 0.5 |" in md  # scale, per-arm table
+    assert "![toy_curve.png](results/toy_curve.png)" in md and "python -m benchmarks.toy" in md
 
 
 @pytest.mark.parametrize("mutate, field", [
     (lambda d: d["claims"][0].update(verdict="maybe"), "claims[0].verdict"),
+    (lambda d: d["claims"][0].update(verdict="not_held"), "claims[0].verdict"),  # the interval says held
+    (lambda d: d["claims"][0].update(interval=None), "claims[0].verdict"),     # no noise estimate: not held
+    (lambda d: d["claims"][0].pop("n_seeds"), "claims[0].n_seeds"),
+    (lambda d: d.update(schema=1), "schema"),
     (lambda d: d.pop("machine"), "machine"),
-    (lambda d: d["claims"][1].update(verdict="held"), "claims[1].value"),
+    (lambda d: d["claims"][1].update(verdict="held"), "claims[1].expect"),  # a verdict needs a test
     (lambda d: d["claims"][0].update(value=float("nan")), "claims[0].value"),
     (lambda d: d["claims"][1].update(id="a"), "claims[1].id"),
     (lambda d: d["claims"][0].pop("why"), "claims[0].why"),
@@ -88,18 +104,6 @@ def test_bad_results_name_file_and_field(tmp_path, mutate, field):
         load(path)
 
 
-def test_verdicts_follow_value_target_and_noise():
-    assert verdict_at_most(0.5, 0.65) == "held" and verdict_at_most(0.7, 0.65) == "not_held"
-    assert verdict_at_most(0.6, 0.65, stderr=0.1) == "inconclusive"  # 0.6 ± 0.16 straddles 0.65
-    assert verdict_at_least(0.3, 0.0, stderr=0.1) == "held" and verdict_at_least(-0.3, 0.0, stderr=0.1) == "not_held"
-    assert verdict_at_least(0.1, 0.0, stderr=0.1) == "inconclusive" and verdict_at_least(None, 0.0) == "inconclusive"
-    assert verdict_at_least(0.0, 0.0) == "held" and verdict_at_least(0.0, 0.0, strict=True) == "not_held"
-    assert verdict_at_most(1.0, 1.0, strict=True) == "not_held" and verdict_at_most(0.99, 1.0, strict=True) == "held"
-    m, se, n = mean_se([1.0, 2.0, 3.0, 6.0])
-    assert (m, n) == (3.0, 4) and math.isclose(se, math.sqrt(14 / 3 / 4))
-    assert mean_se([2.0]) == (2.0, None, 1)
-
-
 def test_run_benchmark_writes_claims_derived_from_main(tmp_path):
     seen = {}
 
@@ -108,12 +112,13 @@ def test_run_benchmark_writes_claims_derived_from_main(tmp_path):
         return {"ratio": 0.5}
 
     def claims(res, argv):
-        v = verdict_at_most(res["ratio"], 0.65)
-        return [Claim("mem", "peak GPU memory", "ratio", res["ratio"], "<= 0.65", v, f"{res['ratio']} vs 0.65")], []
+        est = stats.single(res["ratio"])
+        return [stats.claim("mem", "peak GPU memory", "ratio", est, expect="<", threshold=0.65, why="one run",
+                            n_seeds=1, n_items=None)], []
 
     doc = load(run_benchmark("toy", main, claims, argv=["--updates", "3"], out_dir=tmp_path))
     assert seen["argv"] == ["--updates", "3"] and doc["command"].endswith("--updates 3")
-    assert doc["claims"][0]["verdict"] == "held" and doc["wall_s"] >= 0
+    assert doc["claims"][0]["verdict"] == "inconclusive" and doc["wall_s"] >= 0  # one run: no noise estimate
 
 
 def test_missing_dependency_names_the_extra():
@@ -144,5 +149,62 @@ def test_run_benchmark_records_the_commit_it_started_on(tmp_path, monkeypatch):
         tree["dirty"] = True  # the run writes into tracked files
         return 1.0
 
-    claims = lambda result, argv: ([Claim("a", "some words", "x", result, ">= 0", "held", "one run")], [])
+    claims = lambda result, argv: ([stats.claim("a", "some words", "x", stats.single(result), expect=">", why="one run",
+                                                n_seeds=1, n_items=None)], [])
     assert json.loads(run_benchmark("toy", main, claims, argv=[], out_dir=tmp_path).read_text())["commit"] == "1a2b3c4"
+
+
+def test_a_command_naming_a_temporary_folder_is_refused(tmp_path):
+    import tempfile
+
+    with pytest.raises(SystemExit, match="temporary folder"):
+        run_benchmark("toy", lambda argv: 1.0, lambda r, a: ([], []), argv=["--from-run", f"{tempfile.gettempdir()}/elr4"],
+                      out_dir=tmp_path)
+
+
+def test_verdicts_are_computed_only_in_benchmarks_stats():
+    """No benchmark (or sweep) writes a verdict itself: no verdict string, no hand-built Claim, none of the old
+    helpers; it builds claims with benchmarks.stats.claim / not_measurable (schema.validate rechecks each one)."""
+    import ast
+
+    files = sorted(ROOT.glob("lightning_modules/*/benchmark.py")) + sorted(ROOT.glob("sweeps/*.py"))
+    bad = []
+    for path in files:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in ("held", "not_held", "inconclusive"):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: the verdict string {node.value!r}")
+            if isinstance(node, ast.ImportFrom) and node.module == "benchmarks.schema":
+                for a in node.names:
+                    if a.name in ("Claim", "verdict_at_least", "verdict_at_most"):
+                        bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: imports {a.name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_benchmarks_all_refuses_a_dirty_tree_and_goes_on_after_a_failure(tmp_path, monkeypatch):
+    import benchmarks.all as run_all
+
+    monkeypatch.setattr(run_all, "dirty", lambda: ["runner.py"])
+    with pytest.raises(SystemExit, match="differs from HEAD .*runner.py"):
+        run_all.main(["--papers", "llr"])
+    monkeypatch.setattr(run_all, "dirty", lambda: [])
+    monkeypatch.setattr(run_all, "RUN_LOG", tmp_path / "run.json")
+    ran = []
+
+    def fake(paper, timeout):
+        ran.append(paper)
+        return {"status": "failed" if paper == "hici" else "ok", "rc": 1 if paper == "hici" else 0, "wall_s": 1.0,
+                "log": "x", "tail": ["boom"]}
+
+    monkeypatch.setattr(run_all, "run_one", fake)
+    assert run_all.main(["--papers", "hici", "llr"]) == 1  # the failure is reported ...
+    log = json.loads((tmp_path / "run.json").read_text())
+    assert ran == ["hici", "llr"] and log["papers"]["hici"]["status"] == "failed"  # ... and the rest still ran
+    assert log["commit"] and log["finished"]
+
+
+def test_run_one_records_a_failing_benchmark(tmp_path):
+    import benchmarks.all as run_all
+
+    rec = run_all.run_one("no_such_paper", timeout=60, log_dir=tmp_path)
+    assert rec["status"] == "failed" and rec["rc"] == 2 and "no benchmark for 'no_such_paper'" in rec["tail"][-1]

@@ -2,7 +2,7 @@
 unsteered, off-topic-detector ablation vs random equal-size sets, and the four meta-prompts on the base model.
 Every run reports multi-attempt, ESR, improvement, mean Δ and binomial SEs (test/<condition>/*).
 
-    python -m benchmarks esr                 # 8 runs of esr_tiny (~1 min each idle)
+    python -m benchmarks esr                 # 8 runs of esr_tiny: 3.3 min measured (2 shared cores)
     python -m benchmarks esr --quick         # 3 small runs (base, mix 0.5, meta-prompt 1): proves the wiring
 
 A 4-layer LM cannot show scale-emergent ESR; what it can show is whether the fine-tune teaches a restart under a
@@ -57,63 +57,92 @@ def main(argv: list[str]) -> dict:
     return res
 
 
-def _diff(a: dict, b: dict, key: str, arm: str = "steered"):
-    """a − b of a rate, with the SE of a difference of two independent binomial proportions."""
-    pa, pb = a[f"test/{arm}/{key}"], b[f"test/{arm}/{key}"]
-    na, nb = a[f"test/{arm}/n"], b[f"test/{arm}/n"]
-    return pa - pb, math.sqrt(pa * (1 - pa) / na + pb * (1 - pb) / nb) or None
+def _count(m: dict, key: str, arm: str = "steered") -> tuple[int, int]:
+    """(answers with the property, answers) of one run's arm: the rate times its count."""
+    n = int(m[f"test/{arm}/n"])
+    return round(m[f"test/{arm}/{key}"] * n), n
 
 
 def claims(res: dict, argv: list[str]):
-    from benchmarks.schema import Claim, verdict_at_least, verdict_at_most
+    """Claims for benchmarks/results/esr.json, judged by benchmarks/stats.py: one run per condition, so intervals
+    are over its answers (Wilson; Newcombe for a difference of two runs' rates: 0 of 32 against 0 of 32 is no exact
+    tie), the best meta-prompt a choice among the four (Bonferroni)."""
+    from benchmarks import stats
+    from benchmarks.figures import bars
+    from benchmarks.schema import arms_table, backbone_size
 
     base = res["base"]
     sfts = {k: v for k, v in res.items() if k.startswith("sft_")}
     metas = {k: v for k, v in res.items() if k.startswith("meta_")}
+    n_base = int(base["test/steered/n"])
     out = []
-    un = max(m["test/unsteered/multi_attempt"] for m in res.values())
-    n_un = sum(m["test/unsteered/n"] for m in res.values())
-    out.append(Claim("unsteered_control", "Large language models can resist task-misaligned activation steering",
-                     "multi-attempt rate of unsteered answers (max over runs)", un, "paper: 0 of 13,118 unsteered",
-                     verdict_at_most(un, 0.0), f"{un:.3f} over {n_un:.0f} unsteered answers in {len(res)} runs",
-                     None, int(n_un)))
-    out.append(Claim("scale", "Llama-3.3-70B shows substantial ESR, while smaller models from the Llama-3 and Gemma-2 "
-                     "families exhibit the phenomenon less frequently", "ESR rate of the tiny base model",
-                     base["test/steered/esr"], "paper: 70B 3.8%, smaller < 1%", "not_measurable_here",
-                     "needs Llama-3.3-70B / Gemma-2 with their public SAEs (esr_llama33_70b etc.); tiny base ESR "
-                     f"{base['test/steered/esr']:.3f}", base["test/steered/esr_se"], None))
-    # detectors vs random ablation, on the run with the most restarts
+    k_un = sum(_count(m, "multi_attempt", "unsteered")[0] for m in res.values())
+    n_un = sum(_count(m, "multi_attempt", "unsteered")[1] for m in res.values())
+    out.append(stats.claim(
+        "unsteered_control", "Large language models can resist task-misaligned activation steering",
+        f"multi-attempt rate of unsteered answers, pooled over the {len(res)} runs", stats.proportion(k_un, n_un,
+                                                                                                       "answers"),
+        expect="<", threshold=0.05, n_seeds=1, n_items=n_un, role="control",
+        paper_value="0 of 13,118 unsteered answers restart (table 'Headline')",
+        our_threshold="below 5%: unsteered answers almost never restart", why=f"{k_un} of {n_un} unsteered answers"))
+    out.append(stats.not_measurable(
+        "scale", "Llama-3.3-70B shows substantial ESR, while smaller models from the Llama-3 and Gemma-2 families exhibit "
+        "the phenomenon less frequently", "ESR rate of the tiny base model (reported, not judged)",
+        paper_value="70B ESR 3.8%, smaller models < 1% (abstract, table 'Headline')", value=base["test/steered/esr"],
+        why="needs Llama-3.3-70B / Gemma-2 with their public SAEs (esr_llama33_70b etc.); tiny base ESR "
+            f"{base['test/steered/esr']:.3f}"))
+    # detectors vs random ablation, on the run with the most restarts: the rates after each ablation
     best = max(res.values(), key=lambda m: m["test/steered/multi_attempt"])
     n_det = best.get("test/otd/count", 0)
-    if n_det and "test/otd_ablation/multi_attempt" in best and best["test/steered/multi_attempt"] > 0:
-        d, se = _diff(best, best, "multi_attempt", "otd_ablation")
-        cut = best["test/steered/multi_attempt"] - best["test/otd_ablation/multi_attempt"]
-        rnd = best["test/steered/multi_attempt"] - best["test/random_ablation/multi_attempt"]
-        out.append(Claim("otd_ablation", "Zero-ablating these latents reduces the multi-attempt rate by 25\\%",
-                         "multi-attempt cut by detector ablation minus the cut by random equal-size sets", cut - rnd,
-                         "> 0 (paper: 7.4 -> 5.5% vs random 7.9%)", verdict_at_least(cut - rnd, 0.0, se, strict=True),
-                         f"{n_det:.0f} detectors: cut {cut:.3f} vs random {rnd:.3f}", se, None))
+    runnable = n_det and "test/otd_ablation/multi_attempt" in best and best["test/steered/multi_attempt"] > 0
+    if runnable:
+        k_o, n_o = _count(best, "multi_attempt", "otd_ablation")
+        n_r = int(best.get("test/random_ablation/n", best["test/steered/n"]))
+        k_r = round(best["test/random_ablation/multi_attempt"] * n_r)
+        est = stats.proportion_diff(k_r, n_r, k_o, n_o, "answers")
     else:
-        out.append(Claim("otd_ablation", "Zero-ablating these latents reduces the multi-attempt rate by 25\\%",
-                         "detectors found / multi-attempt to cut", float(n_det), "paper: 26 detectors, 7.4 -> 5.5%",
-                         "inconclusive", f"{n_det:.0f} detectors (0 on every matched pair, >= 80% of mismatched) and "
-                         f"multi-attempt {best['test/steered/multi_attempt']:.3f}: nothing to ablate", None, None))
-    d_meta = [(_diff(m, base, "multi_attempt"), k) for k, m in metas.items()]
-    (d, se), k = max(d_meta, key=lambda x: x[0][0])
-    out.append(Claim("meta_prompt", "meta-prompts instructing the model to self-monitor increase the multi-attempt "
-                     "rate by 5$\\times$ for Llama-3.3-70B", "multi-attempt, best meta-prompt minus none (tiny base)", d,
-                     "> 0 (paper: 7.4 -> 31.7% on 70B)", verdict_at_least(d, 0.0, se, strict=True),
-                     f"{k}: {metas[k]['test/steered/multi_attempt']:.3f} vs {base['test/steered/multi_attempt']:.3f}; a "
-                     "tiny LM never saw such instructions", se, None))
+        est = stats.single(None)
+    out.append(stats.claim(
+        "otd_ablation", "Zero-ablating these latents reduces the multi-attempt rate by 25\\%",
+        "multi-attempt after ablating random equal-size sets minus after ablating the detectors", est, expect=">",
+        n_seeds=1, n_items=int(best["test/steered/n"]),
+        paper_value="26 detectors; multi-attempt 7.4 → 5.5% (vs 7.9% random): table 'OTD ablation'",
+        degenerate=None if runnable else "no detector found or no restart to cut",
+        why=f"{n_det:.0f} detectors; multi-attempt {best['test/steered/multi_attempt']:.3f} before ablation"))
+    if metas:
+        k_b, n_b = _count(base, "multi_attempt")
+        diffs = {k: stats.proportion_diff(*_count(m, "multi_attempt"), k_b, n_b, "answers", candidates=len(metas))
+                 for k, m in metas.items()}
+        k = max(diffs, key=lambda x: diffs[x].value)
+        out.append(stats.claim(
+            "meta_prompt", "meta-prompts instructing the model to self-monitor increase the multi-attempt rate by "
+            "5$\\times$ for Llama-3.3-70B", f"multi-attempt, best of {len(metas)} meta-prompts minus none (tiny base)",
+            diffs[k], expect=">", n_seeds=1, n_items=n_base,
+            paper_value="multi-attempt 7.4 → 31.7% on Llama-3.3-70B (abstract)",
+            why=f"{k}: {metas[k]['test/steered/multi_attempt']:.3f} vs {base['test/steered/multi_attempt']:.3f}; a "
+                "tiny LM never saw such instructions"))
     for name, m in sfts.items():
-        d, se = _diff(m, base, "multi_attempt")
-        de, see = _diff(m, base, "esr")
-        out.append(Claim(f"finetune_{name}", "fine-tuning on self-correction examples successfully induces ESR-like "
-                         "behavior in smaller models", f"multi-attempt, fine-tuned ({name}) minus base", d,
-                         "> 0 (paper: rises at 10-90% mix)", verdict_at_least(d, 0.0, se, strict=True),
-                         f"multi {m['test/steered/multi_attempt']:.3f} vs {base['test/steered/multi_attempt']:.3f}; "
-                         f"ESR {m['test/steered/esr']:.3f} vs {base['test/steered/esr']:.3f} (diff {de:+.3f})", se, None))
-    return out, []
+        est = stats.proportion_diff(*_count(m, "multi_attempt"), *_count(base, "multi_attempt"), "answers")
+        out.append(stats.claim(
+            f"finetune_{name}", "fine-tuning on self-correction examples successfully induces ESR-like behavior in "
+            "smaller models", f"multi-attempt, fine-tuned ({name}) minus base", est, expect=">", n_seeds=1,
+            n_items=int(m["test/steered/n"]),
+            paper_value="ESR-like behaviour induced at 10–90% mix (table 'Fine-tuning')",
+            why=f"multi {m['test/steered/multi_attempt']:.3f} vs {base['test/steered/multi_attempt']:.3f}; "
+                f"ESR {m['test/steered/esr']:.3f} vs {base['test/steered/esr']:.3f}"))
+    table = arms_table("per run: steered answers' multi-attempt and ESR rates, unsteered multi-attempt, detectors",
+                       ["run", "multi-attempt", "ESR", "steered n", "unsteered multi-attempt", "unsteered n",
+                        "detectors"],
+                       [[k, m["test/steered/multi_attempt"], m["test/steered/esr"], int(m["test/steered/n"]),
+                         m["test/unsteered/multi_attempt"], int(m["test/unsteered/n"]), m.get("test/otd/count", 0)]
+                        for k, m in res.items()])
+    fig = bars(table, ROOT / "outputs" / "benchmarks" / "esr" / "rates.png", ["multi-attempt", "ESR"],
+               ylabel="rate over steered answers", title="esr_tiny: multi-attempt and ESR per run")
+    scale = {"model": "tiny-lm (LLaMA, hidden 128) + a trained SAE", **backbone_size("esr_tiny"),
+             "data": "esr_tiny topics; self-correction fine-tunes at mix " + ", ".join(k[4:] for k in sfts),
+             "steps": "esr_tiny's fine-tune (trainer.max_steps)", "seeds": 1,
+             "eval": f"{n_base} steered and {int(base['test/unsteered/n'])} unsteered answers per run, {len(res)} runs"}
+    return out, [fig], {"scale": scale, "arms": [table]}
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ greedy next token at the answer position, with a 95% Wilson interval.
 Cost (``--cost``): one attention layer (tiny_llama shape) forward+backward time and the bytes autograd saves for
 backward (counted with saved-tensor hooks, so arms compare in one process), HiCI vs full, at several lengths.
 
-    python -m benchmarks hici                      # default: about 10 minutes on 2 idle cores
+    python -m benchmarks hici                      # default: 11.1 min measured (2 shared cores)
     python -m benchmarks hici --steps 60 --eval-samples 64 --arms full     # the go/no-go, minutes
     python -m benchmarks hici --cost --lengths 1024 2048 4096 8192
 """
@@ -64,21 +64,21 @@ def arm_module(arm: str, args, out_dir: str):
 
 
 @torch.no_grad()
-def retrieval_accuracy(module, loader, mode: str) -> tuple[int, int]:
-    """(hits, n): greedy next token at the answer position, attention as ``mode`` says."""
+def retrieval_accuracy(module, loader, mode: str) -> list[int]:
+    """1 or 0 per held-out sample (the same samples, in order, for every arm: claims pair them): greedy next token
+    at the answer position, attention as ``mode`` says."""
     from lightning_modules.common.attention import attention_enabled
 
-    model, hits, n = module.model, 0, 0
+    model, correct = module.model, []
     was = model.training
     model.eval()
     with attention_enabled(model, mode == "hici"):
         for b in loader:
             # the whole sequence (segment patterns need seq_len); the prediction for the answer sits at -2
             logits = model(input_ids=b["input_ids"], use_cache=False).logits[:, -2]
-            hits += int((logits.argmax(-1) == b["answer"]).sum())
-            n += len(b["answer"])
+            correct += (logits.argmax(-1) == b["answer"]).int().tolist()
     model.train(was)
-    return hits, n
+    return correct
 
 
 def retrieval(args) -> dict:
@@ -104,9 +104,11 @@ def retrieval(args) -> dict:
             r = {"train_s": round(time.time() - t0, 1), "final_loss": float(trainer.callback_metrics.get(
                 "train/loss", float("nan")))}
             for mode in MODES:
-                hits, n = retrieval_accuracy(module, held_out, mode)
+                correct = retrieval_accuracy(module, held_out, mode)
+                hits, n = sum(correct), len(correct)
                 lo, hi = wilson(hits, n)
-                r[mode] = {"acc": hits / n, "hits": hits, "n": n, "wilson95": [round(lo, 4), round(hi, 4)]}
+                r[mode] = {"acc": hits / n, "hits": hits, "n": n, "wilson95": [round(lo, 4), round(hi, 4)],
+                           "correct": correct}
         out[arm] = r
         print(arm, json.dumps(r), flush=True)
     return out
@@ -204,60 +206,69 @@ def main(argv=None):
     return results
 
 
-def two_proportion(a: dict, b: dict) -> tuple[float, float]:
-    """Difference of accuracies a − b and its (unpooled) binomial standard error."""
-    pa, pb = a["acc"], b["acc"]
-    return pa - pb, math.sqrt(pa * (1 - pa) / a["n"] + pb * (1 - pb) / b["n"])
-
-
 def claims(res, argv):
-    """Claims for benchmarks/results/hici.json (benchmarks/schema.py); every verdict derived from the numbers,
-    on the training-time pattern (``hici`` mode) unless the claim says ``full``."""
-    from benchmarks.schema import Claim, verdict_at_least, verdict_at_most
+    """Claims for benchmarks/results/hici.json, judged by benchmarks/stats.py, on the training-time pattern (``hici``
+    mode) unless the claim says ``full``. One seed: every interval is over the held-out samples, which all arms share,
+    so differences are paired per sample (Wilson for one arm's accuracy)."""
+    from benchmarks import stats
+    from benchmarks.figures import bars
+    from benchmarks.schema import arms_table, backbone_size
 
     q, chance, out = res["retrieval"], res["chance"], []
     quote = "HiCI yields consistent improvements over strong baselines"
-    acc = lambda arm, mode="hici": q[arm][mode] if arm in q else None
-    fmt = lambda r: f"{r['acc']:.3f} [{r['wilson95'][0]:.3f}, {r['wilson95'][1]:.3f}] of {r['n']}"
+    acc = lambda arm, mode="hici": q[arm][mode] if arm in q else None  # noqa: E731
+    fmt = lambda r: f"{r['acc']:.3f} ({r['hits']} of {r['n']})"  # noqa: E731
     full, local, hici, s2 = acc("full"), acc("local"), acc("hici_causal_shift_g"), acc("s2_no_wrap")
+    n = next(r["n"] for r in (full, local, hici, s2) if r)
+    one = dict(n_seeds=1, n_items=n)
     if full:  # go/no-go: the task is learnable in the budget, else no comparison means anything
-        lo, hi = full["wilson95"]
-        v = "held" if lo >= 0.8 else ("not_held" if hi < 0.8 else "inconclusive")
-        out.append(Claim("go_full_attention_learns", "Long-context language modeling", "full attention's retrieval "
-                         "accuracy, lower 95% Wilson bound", lo, ">= 0.8 (go/no-go)", v, f"full {fmt(full)}", None,
-                         full["n"]))
+        out.append(stats.claim(
+            "go_full_attention_learns", "Long-context language modeling", "full attention's retrieval accuracy",
+            stats.proportion(full["hits"], full["n"], "samples"), expect=">", threshold=0.8, **one, role="control",
+            our_threshold="0.8: go/no-go, the task is learnable in the budget", why=f"full {fmt(full)}"))
     if local:
-        lo, hi = local["wilson95"]
-        v = "held" if lo <= chance <= hi else ("not_held" if lo > chance else "inconclusive")
-        out.append(Claim("local_at_chance", "constructs segment-level representations", "segment-local retrieval "
-                         "accuracy (at chance by construction)", local["acc"], f"95% Wilson interval holds chance "
-                         f"{chance:.3f}", v, f"local {fmt(local)}", None, local["n"]))
+        out.append(stats.claim(
+            "local_at_chance", "constructs segment-level representations", "segment-local retrieval accuracy (at "
+            "chance by construction)", stats.proportion(local["hits"], local["n"], "samples"), expect="within",
+            threshold=chance, margin=0.05, **one, role="by_construction",
+            our_threshold=f"chance {chance:.3f} ± 0.05", why=f"local {fmt(local)}"))
     mechanism = "integrates them into a shared global context, and broadcasts both"
-    pairs = [("hici_above_local", hici, local, "HiCI − local", 0.0, "at_least", "> 0 beyond 1.645 s.e."),
-             ("hici_close_to_full", hici, full, "HiCI − full", -0.1, "at_least", ">= -0.10 beyond 1.645 s.e."),
-             ("s2_above_local", s2, local, "S²-Attn − local", 0.0, "at_least", "> 0 beyond 1.645 s.e."),
-             ("s2_below_full", s2, full, "S²-Attn − full", 0.0, "at_most", "< 0 beyond 1.645 s.e.")]
-    for cid, a, b, what, target, side, words in pairs:  # "close": within 10 points of full attention
+    pairs = [("hici_above_local", hici, local, "HiCI − local", 0.0, ">", None),
+             ("hici_close_to_full", hici, full, "HiCI − full", -0.1, ">", "within 10 points of full attention"),
+             ("s2_above_local", s2, local, "S²-Attn − local", 0.0, ">", None),
+             ("s2_below_full", s2, full, "S²-Attn − full", 0.0, "<", None)]
+    for cid, a, b, what, target, expect, ours in pairs:
         if a is None or b is None:
             continue
-        d, se = two_proportion(a, b)
-        verdict = verdict_at_least if side == "at_least" else verdict_at_most
-        v = verdict(d, target, se or None, strict=target == 0.0)
-        out.append(Claim(cid, mechanism if cid == "hici_above_local" else quote,
-                         f"retrieval accuracy difference {what} (training-time attention)", d, words, v,
-                         "; ".join(f"{name} {fmt(r)}" for name, r in zip(what.split(" − "), (a, b))), se,
-                         min(a["n"], b["n"])))
+        out.append(stats.claim(
+            cid, mechanism if cid == "hici_above_local" else quote,
+            f"retrieval accuracy difference {what} (training-time attention), paired per sample",
+            stats.paired(a["correct"], b["correct"], "samples"), expect=expect, threshold=target, **one,
+            our_threshold=ours, paper_value="consistent improvements over strong baselines (abstract)",
+            why="; ".join(f"{name} {fmt(r)}" for name, r in zip(what.split(" − "), (a, b)))))
     if hici and "hici_causal_shift_g" in q:
         f = q["hici_causal_shift_g"]["full"]
-        d, se = two_proportion(f, hici)
-        out.append(Claim("hici_full_mode_not_worse", "parameter-efficient adaptation",  # train HiCI, infer plain
-                         "HiCI-trained retrieval accuracy, full-mode eval − hici-mode eval", d,
-                         ">= -0.05 beyond 1.645 s.e.", verdict_at_least(d, -0.05, se or None),
-                         f"full mode {fmt(f)}; hici mode {fmt(hici)}", se, f["n"]))
-    out.append(Claim("context_100k", "extending context to 100K/64K tokens for LLaMA-2-7B/13B", "context reached",
-                     None, "paper: 100K (LLaMA-2-7B)", "not_measurable_here",
-                     f"7B/13B models at 100K tokens need GPUs; the tiny model is extended to {res['args']['seq_len']}"))
-    return out, []
+        out.append(stats.claim(
+            "hici_full_mode_not_worse", "parameter-efficient adaptation",  # train HiCI, infer plain
+            "HiCI-trained retrieval accuracy, full-mode eval − hici-mode eval, paired per sample",
+            stats.paired(f["correct"], hici["correct"], "samples"), expect=">", threshold=-0.05, **one,
+            our_threshold="full-mode inference within 5 points of hici-mode",
+            why=f"full mode {fmt(f)}; hici mode {fmt(hici)}"))
+    out.append(stats.not_measurable(
+        "context_100k", "extending context to 100K/64K tokens for LLaMA-2-7B/13B", "context reached",
+        paper_value="100K tokens (LLaMA-2-7B), 64K (13B): abstract",
+        why=f"7B/13B models at 100K tokens need GPUs; the tiny model is extended to {res['args']['seq_len']}"))
+    table = arms_table(f"retrieval accuracy on {n} held-out samples, per arm and evaluation mode (chance "
+                       f"{chance:.3f})", ["arm", "hici mode", "full mode", "train s"],
+                       [[arm, r["hici"]["acc"], r["full"]["acc"], r["train_s"]] for arm, r in q.items()])
+    fig = bars(table, ROOT / "outputs" / "benchmarks" / "hici" / "retrieval.png", ["hici mode", "full mode"],
+               ylabel="retrieval accuracy", title="hici_tiny retrieval: accuracy per arm", hline=chance)
+    a = res["args"]
+    scale = {"model": "tiny-lm (LLaMA, hidden 128) with LoRA + embed/norm (hici_tiny)", **backbone_size("hici_tiny"),
+             "data": f"key–value retrieval at {a['seq_len']} tokens, 4 segments (chance 1/{a['values']})",
+             "steps": f"{a['steps']} × {a['batch_size']} per arm", "seeds": 1,
+             "eval": f"{a['eval_samples']} held-out samples per arm and mode"}
+    return out, [fig], {"scale": scale, "arms": [table]}
 
 
 if __name__ == "__main__":

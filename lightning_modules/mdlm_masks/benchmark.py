@@ -8,7 +8,7 @@ k appended masks x relevant-block distance (``drand``: random placement):
   input-gradient share; base-period: " ." fillers instead of masks (the control);
 - CE-only: fine-tuned ``--steps`` steps with ``model.beta=0``; CE+TV: the mask-agnostic loss (beta 1).
 
-    python -m benchmarks mdlm_masks                  # full: 200 fine-tune steps, 16 queries per task and distance
+    python -m benchmarks mdlm_masks                  # full: 200 fine-tune steps, 16 queries per task and distance: 6.4 min measured
     python -m benchmarks mdlm_masks --quick          # wiring only: 5 steps, 1 query, k 0/8
 """
 from __future__ import annotations
@@ -72,62 +72,88 @@ def _acc(res, d, k):
     return res["accuracy_grid"].get(f"d{d}/k{k}")
 
 
-def _se(accuracies, n: int) -> float | None:
-    """Standard error (pp) of a sum/difference of accuracies (%) each measured on n queries: the query sampling
-    error, cells treated as independent (the cells share queries, so a paired error would be smaller)."""
-    if any(a is None for a in accuracies):
-        return None
-    return 100 * math.sqrt(sum((a / 100) * (1 - a / 100) / n for a in accuracies))
+def _correct(res, k, distance=-1) -> dict[int, float]:
+    """query -> 1/0 at k appended masks, for the queries at ``distance`` (-1: random placement)."""
+    return {r["query"]: r["correct"] for r in res["rows"] if r["k"] == k and r["distance"] == distance}
 
 
 def claims(result, argv):
-    from benchmarks.schema import Claim, verdict_at_least
+    """Claims for benchmarks/results/mdlm_masks.json, judged by benchmarks/stats.py. One model per arm and one seed:
+    intervals are over the test queries, in points. A drop from k = 0 to k masks is paired per query, and two arms
+    (or fillers) are compared per query too (every arm scores the same queries); near and far placements are
+    different queries (Newcombe)."""
+    from pathlib import Path
+
+    from benchmarks import stats
+    from benchmarks.figures import bars
+    from benchmarks.schema import ROOT, arms_table, backbone_size
 
     a, args = result["arms"], result["args"]
     ks = [int(k) for k in args["ks"].split(",")]
     dists = [int(d) for d in args["distances"].split(",")]
-    k0, kmax, n = ks[0], ks[-1], args["n_test"] * 16
-    drop = {name: _acc(r, "rand", k0) - _acc(r, "rand", kmax) for name, r in a.items()}
+    k0, kmax = ks[0], ks[-1]
     base = a["base"]
+
+    def drop(arm):  # per query: correct at k0 − correct at kmax (random placement)
+        c0, c1 = _correct(a[arm], k0), _correct(a[arm], kmax)
+        return {q: c0[q] - c1[q] for q in c0 if q in c1}
+
+    def pp(e):  # an estimate on 0/1 outcomes, in points
+        if e.lo is None:
+            return stats.Estimate(None if e.value is None else 100 * e.value, n=e.n, over=e.over)
+        return stats.Estimate(100 * e.value, 100 * e.lo, 100 * e.hi, None if e.se is None else 100 * e.se, e.df, e.n,
+                              e.over, e.method, e.level, e.paired)
+
+    def paired_drops(x, y):  # drop(x) − drop(y) over the queries both scored
+        dx, dy = drop(x), drop(y)
+        qs = sorted(set(dx) & set(dy))
+        return pp(stats.paired([dx[q] for q in qs], [dy[q] for q in qs], "queries"))
+
+    n = len(_correct(base, k0))
+    one = dict(n_seeds=1, n_items=n)
     found = []
-    near, far = _acc(base, dists[0], k0), _acc(base, dists[-1], k0)
+    near, far = _correct(base, k0, dists[0]), _correct(base, k0, dists[-1])
     curve = ", ".join(f"d{d} {_acc(base, d, k0):.1f}" for d in dists)
-    found.append(Claim(
+    found.append(stats.claim(
         "locality_bias", "MDLMs exhibit a strong locality bias",
-        f"tiny-mdlm accuracy (%) with the relevant block adjacent to the query minus {dists[-1]} distractor examples "
-        f"away, k = {k0}", None if near is None or far is None else near - far, ">= 5 pp (locality: near beats far)",
-        verdict_at_least(None if near is None else near - far, 5.0, _se([near, far], n)) if len(dists) > 1
-        else "inconclusive",
-        f"accuracy by distance: {curve} ({n} queries each; stderr: query sampling)", _se([near, far], n), n=1))
-    tax = drop["base"]
-    tax_se = _se([_acc(base, "rand", k0), _acc(base, "rand", kmax)], n)
-    found.append(Claim(
+        f"tiny-mdlm accuracy (points) with the relevant block adjacent to the query minus {dists[-1]} distractor "
+        f"examples away, k = {k0}",
+        pp(stats.proportion_diff(int(sum(near.values())), len(near), int(sum(far.values())), len(far), "queries"))
+        if len(dists) > 1 and near and far else stats.single(None), expect=">", threshold=5.0, n_seeds=1,
+        n_items=len(near) or None, our_threshold="5 points: near beats far by a visible margin",
+        paper_value="a strong locality bias (abstract)", why=f"accuracy by distance: {curve}"))
+    tax = drop("base")
+    found.append(stats.claim(
         "mask_tax", "mask tokens—required for generation—can significantly degrade context comprehension",
-        f"tiny-mdlm single-step accuracy (%) at k = {k0} minus at k = {kmax} appended masks (random placement)", tax,
-        ">= 5 pp (LLaDA-8B: -23 pp)", verdict_at_least(tax, 5.0, tax_se),
-        "per k: " + ", ".join(f"k{k} {_acc(base, 'rand', k):.1f}" for k in ks) + f" ({n} queries each)", tax_se,
-        n=1))
-    period = drop["base_period"]
+        f"tiny-mdlm single-step accuracy (points) at k = {k0} minus at k = {kmax} appended masks (random placement), "
+        "paired per query", pp(stats.mean(list(tax.values()), "queries")), expect=">", threshold=5.0, **one,
+        our_threshold="5 points: a visible tax at tiny scale", paper_value="LLaDA-8B loses 23 points (table 'mask tax')",
+        why="per k: " + ", ".join(f"k{k} {_acc(base, 'rand', k):.1f}" for k in ks)))
     share = base.get("mask_grad_share", {}).get(str(kmax))
-    period_se = _se([_acc(base, "rand", k0), _acc(base, "rand", kmax), _acc(a["base_period"], "rand", k0),
-                     _acc(a["base_period"], "rand", kmax)], n)
-    found.append(Claim(
+    found.append(stats.claim(
         "masks_distract", "act as distractors",
-        f"accuracy drop (pp) from k = {k0} to {kmax} with masks minus with ' .' fillers", tax - period,
-        "> 0 (masks cost more than the same number of ' .' tokens; paper ~23 vs ~3 pp)",
-        verdict_at_least(tax - period, 0.0, period_se, strict=True),
-        f"drops: masks {tax:.1f} pp, periods {period:.1f} pp; the {kmax} masks' input-gradient share "
-        f"{'n/a' if share is None else f'{share:.2f}'}", period_se, n=1))
-    gain = drop["ce_only"] - drop["ce_tv"]
-    gain_se = _se([_acc(a[arm], "rand", k) for arm in ("ce_only", "ce_tv") for k in (k0, kmax)], n)
-    found.append(Claim(
+        f"accuracy drop (points) from k = {k0} to {kmax} with masks minus with ' .' fillers, paired per query",
+        paired_drops("base", "base_period"), expect=">", **one, paper_value="~23 vs ~3 points (masks vs fillers)",
+        why=f"drops: masks {_acc(base, 'rand', k0) - _acc(base, 'rand', kmax):.1f}, periods "
+            f"{_acc(a['base_period'], 'rand', k0) - _acc(a['base_period'], 'rand', kmax):.1f} points; the {kmax} masks' "
+            f"input-gradient share {'n/a' if share is None else f'{share:.2f}'}"))
+    found.append(stats.claim(
         "ma_loss_mitigates", "Fine-tuning with this objective substantially mitigates the distracting effect of masks",
-        f"drop k = {k0} -> {kmax} (pp): CE-only minus CE+TV after {args['steps']} fine-tune steps", gain,
-        ">= 3 pp (CE+TV loses fewer points than CE-only)", verdict_at_least(gain, 3.0, gain_se),
-        f"drops: base {drop['base']:.1f}, CE-only {drop['ce_only']:.1f}, CE+TV {drop['ce_tv']:.1f} pp; accuracy at "
-        f"k = {k0}: CE-only {_acc(a['ce_only'], 'rand', k0):.1f}, CE+TV {_acc(a['ce_tv'], 'rand', k0):.1f}", gain_se,
-        n=1))
-    return found, []
+        f"drop k = {k0} -> {kmax} (points): CE-only minus CE+TV after {args['steps']} fine-tune steps, paired per "
+        "query", paired_drops("ce_only", "ce_tv"), expect=">", threshold=3.0, **one,
+        our_threshold="3 points fewer lost than CE-only",
+        paper_value="the mask-agnostic loss substantially mitigates (abstract)",
+        why=", ".join(f"{arm} drop {_acc(a[arm], 'rand', k0) - _acc(a[arm], 'rand', kmax):.1f}" for arm in a)
+        + f"; accuracy at k = {k0}: CE-only {_acc(a['ce_only'], 'rand', k0):.1f}, CE+TV {_acc(a['ce_tv'], 'rand', k0):.1f}"))
+    table = arms_table(f"single-step accuracy (%) at k appended masks, random placement, {n} queries per cell",
+                       ["arm", *(f"k = {k}" for k in ks)], [[arm, *(_acc(r, "rand", k) for k in ks)]
+                                                           for arm, r in a.items()])
+    fig = bars(table, ROOT / "outputs" / "benchmarks" / "mdlm_masks" / "accuracy.png", ylabel="accuracy (%)",
+               title="tiny-mdlm: accuracy per arm as masks are appended")
+    scale = {"model": "tiny-mdlm (masked-diffusion LLaMA, hidden 128)", **backbone_size("mdlm_masks_tiny"),
+             "data": "rule induction, 16 tasks", "steps": f"{args['steps']} fine-tune steps (CE-only, CE+TV)",
+             "seeds": 1, "eval": f"{n} queries per (k, distance) cell; k = {args['ks']}, distances {args['distances']}"}
+    return found, [Path(fig)], {"scale": scale, "arms": [table]}
 
 
 if __name__ == "__main__":

@@ -153,7 +153,7 @@ class MDLMModule(CausalLMModule):
     def test_step(self, q, batch_idx):
         for k in self.ks:
             ids, pos, fillers = self.study_input(q["prompt_ids"], k)
-            row = {"task": q["task"], "distance": int(q["distance"]), "k": k,
+            row = {"query": batch_idx, "task": q["task"], "distance": int(q["distance"]), "k": k,
                    "correct": float(self.answer_of(ids, pos) == q["answer_id"])}
             if self.grad_share and not self.causal:
                 row["grad_share"] = self.mask_gradient_share(ids, pos, fillers)
@@ -188,7 +188,9 @@ class MDLMModule(CausalLMModule):
                         "mask_grad_share": {str(k): mean(v) for k, v in share.items()},
                         "accuracy_per_task": {t: 100 * mean(v) for t, v in sorted(per_task.items())},
                         "filler": self.filler, "eval_steps": self.eval_steps, "n_queries": len(per_task) and
-                        sum(len(v) for v in per_task.values())}
+                        sum(len(v) for v in per_task.values()),
+                        # per query and k, for paired comparisons across k and across arms (same test queries)
+                        "rows": [{k: r[k] for k in ("query", "distance", "k", "correct")} for r in self.rows]}
         from lightning_modules.common.dashboard import log_table
 
         log_table("mdlm/accuracy", [{"distance": c.split("/")[0][1:], "k": int(c.split("/")[1][1:]), "accuracy": a}

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.schema import ROOT, Claim, mean_se, run_benchmark, verdict_at_least
+from benchmarks.schema import ROOT, mean_se, run_benchmark
 
 RESULTS = ROOT / "sweeps" / "results"
 SEEDED, SINGLE = RESULTS / "qat_law_tiny_seeds.csv", RESULTS / "qat_law_tiny.csv"
@@ -54,15 +54,6 @@ def bootstrap(df, stat, n_boot: int, seed: int) -> tuple[float, float, int, str]
         k, unit = len(df), "cells (one seed)"
     reps = [stat(draw()) for _ in range(n_boot)]
     return float(stat(df)), float(np.std(reps, ddof=1)), k, unit
-
-
-def sign_claim(cid, quote, metric, value, se, k, unit, sign: int) -> Claim:
-    v = verdict_at_least(sign * value, 0.0, se, strict=True)
-    lo, hi = value - 1.645 * se, value + 1.645 * se
-    side = {"held": "excludes 0 on the paper's side", "not_held": "excludes 0 on the other side",
-            "inconclusive": "contains 0: noise as large as the effect"}[v]
-    return Claim(cid, quote, metric, value, f"{'> 0' if sign > 0 else '< 0'} (sign)", v,
-                 f"90% interval [{lo:+.3g}, {hi:+.3g}] over {k} {unit} {side}", se, k)
 
 
 def main(argv=None):
@@ -123,40 +114,73 @@ def main(argv=None):
     return out
 
 
-def law_claim(cid, quote, param, value, se, lo, hi, k, dropped, n_cells) -> Claim:
-    """A sign of the δ law's exponent judged by its 90% bootstrap interval over seeds (every γ > 0 in the paper)."""
-    from sweeps.fit import sign_verdict
+def _estimate(stat: tuple) -> "stats.Estimate":
+    """A bootstrapped statistic ``(value, SE, count, unit)`` of :func:`bootstrap`: over seeds it is judged as a mean
+    over seeds (the rescaled SE with t on n − 1 df), over the cells of one seed with the normal on its SE."""
+    from benchmarks import stats
 
-    v = sign_verdict(lo, hi, +1)
-    side = {"held": "excludes 0 on the paper's side", "not_held": "excludes 0 on the other side",
-            "inconclusive": "contains 0: noise as large as the effect"}[v]
-    why = (f"90% bootstrap interval [{lo:+.3g}, {hi:+.3g}] over {k} seeds ({n_cells} cells, {dropped} with mean "
-           f"δ ≤ 0 left out of the log fit) {side}")
-    return Claim(cid, quote, f"{param} of {LAW} (W4A4, δ = cell mean over seeds)", value, "> 0 (sign)", v, why, se, k)
+    value, se, k, unit = stat
+    if unit == "seeds":
+        return stats.seed_bootstrap(value, se, k)
+    return stats.from_se(value, se, None, k, "cells", "bootstrap SE over cells (one seed)")
 
 
 def claims(res, argv):
-    s = lambda k: res[k]
-    quotes = {"N": ("delta_falls_with_N", "quantization error decreases as model size increases", -1),
-              "D": ("delta_rises_with_D", "but rises with more training tokens", +1),
-              "G": ("delta_rises_with_G", "and coarser quantization granularity", +1)}
-    found = []
-    for name, (cid, quote, sign) in quotes.items():
-        if res.get(f"gamma_{name}") is not None:  # several seeds: the law's exponent with its bootstrap interval
-            found.append(law_claim(cid, quote, f"γ_{name}", *res[f"gamma_{name}"]))
-        else:
+    """Claims for benchmarks/results/qat_law.json, judged by benchmarks/stats.py. With several seeds, each exponent
+    of the W4A4 δ law is bootstrapped over seeds (``sweeps.fit.bootstrap_fit``) and judged as a mean over seeds: its
+    bootstrap SE rescaled to the classical one, t on seeds − 1 df (a percentile interval from 3 seeds has 10
+    distinct resamples). The FC2 claim is a mean of paired cell differences (t over the cells)."""
+    from benchmarks import stats
+    from benchmarks.schema import arms_table
+
+    quotes = {"N": ("delta_falls_with_N", "quantization error decreases as model size increases", "<",
+                    "error decreases with model size (abstract)"),
+              "D": ("delta_rises_with_D", "but rises with more training tokens", ">",
+                    "rises with more training tokens (abstract)"),
+              "G": ("delta_rises_with_G", "and coarser quantization granularity", ">",
+                    "and with coarser granularity (abstract)")}
+    seeds, found = res["seeds"], []
+    for name, (cid, quote, slope_sign, pv) in quotes.items():
+        if res.get(f"gamma_{name}") is not None:  # several seeds: the law's exponent (every γ > 0 in the paper)
+            est_, se, lo, hi, k, dropped, n_cells = res[f"gamma_{name}"]
+            found.append(stats.claim(
+                cid, quote, f"γ_{name} of {LAW} (W4A4, δ = cell mean over seeds)", stats.seed_bootstrap(est_, se, k),
+                expect=">", n_seeds=k, n_items=n_cells, paper_value=pv,
+                why=f"percentile 90% [{lo:+.3g}, {hi:+.3g}] over {k} seeds; {n_cells} cells, {dropped} with mean δ ≤ 0 "
+                    "left out of the log fit"))
+        else:  # one seed: the least-squares slope of δ on ln x, bootstrapped over cells
             unit = {"N": "model size", "D": "training tokens", "G": "group size"}[name]
-            found.append(sign_claim(cid, quote, f"∂δ/∂ln {name} of W4A4 δ = L − L_fp (nats per e-fold of {unit})",
-                                    *s(f"slope_{name}"), sign=sign))
-    found += [
-        sign_claim("weight_error_faster_in_D", "weight quantization error increases more rapidly with more training tokens",
-                   f"∂(δ_W4A16 − δ_W16A4)/∂ln D at G = {res['decomposition_G']}", *s("slope_D_weight_minus_act"), sign=+1),
-        sign_claim("fc2_activation_bottleneck", "the activation quantization error in the FC2 layer, caused by outliers, "
-                   "is the primary bottleneck", f"δ_W4A4 − δ_W4A4-FC2A8 at G = {res['decomposition_G']} (mean over paired cells)",
-                   *s("fc2a8_gain"), sign=+1),
-    ]
+            found.append(stats.claim(
+                cid, quote, f"∂δ/∂ln {name} of W4A4 δ = L − L_fp (nats per e-fold of {unit})",
+                _estimate(res[f"slope_{name}"]), expect=slope_sign, n_seeds=seeds, n_items=res["cells_w4a4"],
+                paper_value=pv, why=f"{res['cells_w4a4']} W4A4 cells"))
+    g = res["decomposition_G"]
+    found.append(stats.claim(
+        "weight_error_faster_in_D", "weight quantization error increases more rapidly with more training tokens",
+        f"∂(δ_W4A16 − δ_W16A4)/∂ln D at G = {g}", _estimate(res["slope_D_weight_minus_act"]), expect=">",
+        n_seeds=seeds, n_items=None, paper_value="weight error rises faster with D (abstract)",
+        why=f"bootstrapped over {res['slope_D_weight_minus_act'][2]} {res['slope_D_weight_minus_act'][3]}"))
+    m, se, k, unit = res["fc2a8_gain"]
+    found.append(stats.claim(
+        "fc2_activation_bottleneck", "the activation quantization error in the FC2 layer, caused by outliers, is the "
+        "primary bottleneck", f"δ_W4A4 − δ_W4A4-FC2A8 at G = {g} (mean over paired cells)",
+        stats.from_se(m, se, k - 1 if se is not None else None, k, "paired cells", "paired t", paired=True),
+        expect=">", n_seeds=seeds, n_items=k, paper_value="FC2 activation error is the bottleneck (abstract)",
+        why=f"FC2-A8 lowers δ in {res['fc2a8_wins']} of {k} {unit}"))
+    tables = []
+    if res.get("delta_cells"):
+        tables.append(arms_table("W4A4 δ = L − L_fp per cell, mean ± SE over seeds", ["N", "D", "G", "δ", "SE", "seeds"],
+                                 [[c["N"], c["D"], c["G"], c["delta"], c["se"], c["n"]] for c in res["delta_cells"]]))
+    import pandas as pd
+
+    df = pd.read_csv(res["table"])
+    scale = {"model": "tiny LLaMAs (llama_qat), N = " + ", ".join(f"{n / 1e3:.0f}K" for n in sorted(df["N"].unique())),
+             "params": int(df["N"].max()), "data": f"D = {', '.join(f'{d / 1e3:.0f}K' for d in sorted(df['D'].unique()))} "
+             "tokens; W4A4 / W4A16 / W16A4 / FC2-A8 variants", "steps": "the committed sweep ("
+             f"{Path(res['table']).resolve().relative_to(ROOT) if Path(res['table']).resolve().is_relative_to(ROOT) else res['table']})",
+             "seeds": seeds, "eval": f"δ = L − L_fp per (N, D, seed, variant): {len(df)} rows"}
     fig = Path(res["table"]).with_suffix(".png")
-    return found, [fig] if fig.is_file() else []
+    return found, [fig] if fig.is_file() else [], {"scale": scale, "arms": tables}
 
 
 if __name__ == "__main__":
