@@ -11,7 +11,6 @@ The answer format (GSM8K ``####``, MATH ``\\boxed{}``, number normalisation) bel
 - ``boxed_math_reward``: the same check as the Hista release scores ``accuracy`` (``src/rl/utils/rewards.py``):
   the completion's answer must be boxed or announced, no anchor-less guess.
 """
-"""
 from __future__ import annotations
 
 import re
@@ -20,7 +19,8 @@ import threading
 from datamodules.common.answers import extract_answer, gold_answer, normalize_number
 from lightning_modules.common.evaluation import exact_match
 
-__all__ = ["boxed_math_reward", "exact_match_reward", "extract_answer", "format_reward", "math_equivalence_reward", "normalize_number"]
+__all__ = ["boxed_math_reward", "exact_match_reward", "extract_answer", "format_reward", "math_equivalence_reward",
+           "normalize_number"]
 
 
 def exact_match_reward(completion: str, gold: str) -> float:
