@@ -84,6 +84,21 @@ def test_teacher_frozen_lookahead_learns(tiny_tokenizer, finetune):
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
+def test_full_finetune_teacher_states_do_not_move(tiny_tokenizer):
+    """Issue 40: under finetune=full the student's embedding table trains; the teacher must embed its prompt and
+    gold tokens with the frozen copy's table, so its states (the distillation target) stay put after a step."""
+    m = make(tiny_tokenizer, finetune="full", n_lookahead=3, lora={"r": 4, "alpha": 8, "dropout": 0.0},
+             attention_dropout=0.1)
+    rows = [m.prompt_ids(b["instruction"], b["input"]) for b in BATCH]
+    golds = [tiny_tokenizer(b["output"], add_special_tokens=False)["input_ids"] for b in BATCH]
+    before = m.teacher(rows, golds)[0].hidden_states
+    m.compute_loss(BATCH).backward()
+    torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=1.0).step()
+    assert not torch.equal(m.model.get_input_embeddings().weight, m._teacher[0].get_input_embeddings().weight)
+    after = m.teacher(rows, golds)[0].hidden_states
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
 @pytest.mark.parametrize("distill", ["mse", "kl"])
 def test_distill_is_zero_when_student_is_teacher(tiny_tokenizer, distill):
     gold = tiny_tokenizer(" red", add_special_tokens=False)["input_ids"]

@@ -8,7 +8,9 @@ One ``training_step`` on a batch of (instruction, input, gold output) triples:
   embedding | random). Rows are left-padded, so EOS and the look-ahead slots sit at the same columns in every row.
 - **Teacher**: the frozen start weights on ``[prompt, EOS, gold output cut to T tokens]`` (right-padded after EOS).
   ``finetune: lora``: the same model with its adapters disabled (no copy); ``full``: a frozen copy kept outside the
-  module tree (so it is neither optimised nor checkpointed).
+  module tree (so it is neither optimised nor checkpointed), which also embeds the teacher's tokens: under full
+  fine-tuning the student's embedding table trains, and embedding with it would move the distillation target
+  (issue 40).
 - **Distillation** at ``distill_layer``: ``mse`` on hidden states | ``kl`` (teacher ‖ student LM-head
   distributions; last layer only) | ``ce`` (the gold token the aligned teacher state predicts) | ``none``.
   ``align``: ``same_position`` (LA_t ↔ the teacher's state on gold token t) | ``shifted`` (LA_t ↔ the state that
@@ -26,6 +28,7 @@ k-means V-measure against the asked attribute, per instruction and averaged.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any, Callable, Mapping, Sequence
 
@@ -204,9 +207,15 @@ class InstEmbModule(CausalLMModule):
         mask = torch.tensor([[0] * (w - len(r)) + [1] * len(r) for r in rows], device=self.device)
         return ids, mask
 
+    def teacher_embeddings(self) -> torch.nn.Module:
+        """The teacher's (frozen) token embeddings: the copy's under full fine-tuning, else the base model's."""
+        return (self._teacher[0].to(self.device) if self.finetune == "full" else self.model).get_input_embeddings()
+
     def _run(self, ids, mask, tail=None, tail_mask=None, teacher: bool = False):
-        """Forward on embedded ``ids`` (+ ``tail`` (N, T, d) vectors) with positions from the mask."""
-        emb = self.model.get_input_embeddings()(ids)
+        """Forward on embedded ``ids`` (+ ``tail`` (N, T, d) vectors) with positions from the mask; the teacher
+        embeds with its own frozen table."""
+        with torch.no_grad() if teacher else contextlib.nullcontext():
+            emb = (self.teacher_embeddings() if teacher else self.model.get_input_embeddings())(ids)
         if tail is not None:
             emb = torch.cat([emb, tail.to(emb.dtype)], 1)
             mask = torch.cat([mask, tail_mask], 1)
@@ -231,7 +240,7 @@ class InstEmbModule(CausalLMModule):
         gids = torch.tensor([r + [pad] * (self.T - len(r)) for r in g], device=self.device)
         gmask = torch.tensor([[1] * len(r) + [0] * (self.T - len(r)) for r in g], device=self.device)
         with torch.no_grad():
-            tail = self.model.get_input_embeddings()(gids)
+            tail = self.teacher_embeddings()(gids)
         out, _ = self._run(ids, mask, tail, gmask, teacher=True)
         return out, ids.shape[1], gids, gmask
 
