@@ -99,6 +99,40 @@ def test_full_finetune_teacher_states_do_not_move(tiny_tokenizer):
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
+@pytest.mark.parametrize("experiment", ["instemb_llama3_8b", "instemb_qwen25_7b"])
+def test_paper_scale_checkpoints_activations(experiment):
+    """Issue 40: three student graphs of 32 x 520 tokens per GPU need gradient checkpointing (the header's estimate)."""
+    from benchmarks.tables import composed
+
+    assert composed(experiment).backbone.gradient_checkpointing is True
+
+
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_gradient_checkpointing_keeps_the_gradients(tiny_tokenizer, finetune):
+    """Checkpointed blocks give InstEmb the same gradients, including the LoRA views whose inputs need no grad."""
+    grads = []
+    for ckpt in (False, True):
+        spec = {**SPEC, "gradient_checkpointing": ckpt}
+        torch.manual_seed(0)
+        m = InstEmbModule({**spec, "config": {**spec["config"], "vocab_size": len(tiny_tokenizer)}},
+                          partial(torch.optim.AdamW, lr=1e-3), max_length=64, finetune=finetune, n_lookahead=3,
+                          lora={"r": 4, "alpha": 8, "dropout": 0.0}, views=["s1", "teacher_input", "student_output"])
+        m.tokenizer = tiny_tokenizer
+        m.configure_model()
+        with torch.no_grad():  # LoRA B = 0 would leave A without gradient
+            for n, p in m.model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.1)
+        m.train()
+        m.compute_loss(BATCH).backward()
+        grads.append({n: p.grad for n, p in m.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys()
+    trained = [n for n, g in grads[0].items() if g is not None]  # all but the LM head (MSE never reads it)
+    assert [n for n, g in grads[1].items() if g is not None] == trained and len(trained) >= len(grads[0]) - 1
+    for n in trained:
+        assert torch.allclose(grads[0][n], grads[1][n], atol=1e-6, rtol=1e-4), n
+
+
 @pytest.mark.parametrize("distill", ["mse", "kl"])
 def test_distill_is_zero_when_student_is_teacher(tiny_tokenizer, distill):
     gold = tiny_tokenizer(" red", add_special_tokens=False)["input_ids"]
