@@ -92,7 +92,13 @@ def test_soft_angle_has_finite_gradients_at_collinearity_and_passes_gradcheck():
     torch.testing.assert_close(second_diff(h), (h[2:] - 2 * h[1:-1] + h[:-2]).norm(dim=-1))
 
 
-@pytest.mark.parametrize("form", ["angle", "second_diff"])
+def _one_minus_cos(h):
+    v = h[1:] - h[:-1] if h.dim() == 2 else h[:, 1:] - h[:, :-1]
+    a, b = v[..., :-1, :], v[..., 1:, :]
+    return 1 - (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))
+
+
+@pytest.mark.parametrize("form", ["angle", "one_minus_cos", "second_diff"])
 def test_regularised_loss_is_ce_plus_lambda_times_the_rescaled_penalty(form):
     torch.manual_seed(0)
     module = CurvatureLM(TINY, window=4, reg={"lambda": 0.3, "layers": [0, 2, 3], "form": form})
@@ -101,7 +107,8 @@ def test_regularised_loss_is_ce_plus_lambda_times_the_rescaled_penalty(form):
     batch = {"input_ids": ids, "labels": ids}
     out = module.model(input_ids=ids, labels=ids, output_hidden_states=True)
     hs = out.hidden_states                                   # transformers' own (k < L: before the final norm)
-    per = [(soft_angles(hs[k]) if form == "angle" else second_diff(hs[k])) for k in (0, 2, 3)]
+    by_form = {"angle": soft_angles, "one_minus_cos": _one_minus_cos, "second_diff": second_diff}
+    per = [by_form[form](hs[k]) for k in (0, 2, 3)]
     penalty = torch.stack([contextual_curvature_from(v, 4) for v in per]).mean()
     scale = 10.0 ** (math.floor(math.log10(out.loss.item())) - math.floor(math.log10(penalty.item())))
     loss = module.compute_loss(batch)
@@ -187,6 +194,7 @@ def test_pca_sampled_picks_the_straightest_and_curviest_candidate_inside_the_pcs
     ({"reg": {"lambda": 0.1, "layers": [2, 9]}}, r"reg.layers \[9\] beyond the model's depth"),
     ({"reg": {"lambda": 0.1, "layers": []}}, "lambda > 0 with empty model.reg.layers"),
     ({"perturb": {"kind": "aligned"}}, "perturb.kind='aligned'"),
+    ({"reg": {"form": "cosine"}}, "reg.form='cosine'"),
 ])
 def test_bad_input_is_one_line_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -17,10 +17,13 @@
   (``<straight|extrapolation>_minus_<curvy|orthogonal|random>``). Positions are drawn from their own seeded stream,
   so runs of different kinds perturb the same tokens.
 - the straightening regulariser in ``compute_loss``: CE + λ·mean_t,k κ_t^k over ``reg.layers`` (null = the middle
-  half of the blocks' outputs); ``reg.form`` angle (eps in the norms, cosine within ±(1-1e-6)) | second_diff
-  (‖h_{t+1} - 2h_t + h_{t-1}‖, the precursor's, not scale-invariant); ``reg.match_order`` rescales the penalty to
-  CE's order of magnitude (10^(floor log10 CE - floor log10 penalty), detached, as the precursor's trainer);
-  ``reg.delay_steps`` starts it later.
+  half of the blocks' outputs); ``reg.form`` angle (default, ours: eps in the norms, cosine within ±(1-1e-6)) |
+  one_minus_cos (1 - cos of successive steps: the precursor trainer's penalty) | second_diff
+  (‖h_{t+1} - 2h_t + h_{t-1}‖, the precursor's alternative, not scale-invariant). The angle stays the default: it
+  is the quantity the analysis measures and the paper names (their gradients agree to cosine 0.9986, issue 40),
+  and 1 - cos flattens near straight trajectories, where d(1 - cos θ)/dθ = sin θ vanishes. ``reg.match_order``
+  rescales the penalty to CE's order of magnitude (10^(floor log10 CE - floor log10 penalty), detached, as the
+  precursor's trainer); ``reg.delay_steps`` starts it later.
 
 [INF] The sources give no window, controls, perturbation construction, regulariser form, λ, layers or run sizes:
 every default here (window 3, the three controls, s = 0.5 with 64 candidates in 10 PCs, angle form, λ = 0.1, the
@@ -37,7 +40,7 @@ from lightning_modules.common.activations import capture
 from lightning_modules.common.backbone import build_config, check_revision
 from lightning_modules.common.lm import CausalLMModule
 from lightning_modules.curvature.analysis import (contextual_curvature, paired_ci, partial_corr, pearson, second_diff,
-                                                  soft_angles, spearman, token_entropy, window_mean)
+                                                  soft_angles, spearman, step_cosines, token_entropy, window_mean)
 from lightning_modules.curvature.perturb import KINDS, perturbation_effects, top_pcs
 
 CONTROLS = ("position", "log_frequency", "surprisal")
@@ -45,6 +48,7 @@ PERTURB = dict(layer=None, scale=0.5, kind="pca_sampled", n_candidates=64, pcs=1
                positions_per_sequence=8, seed=0)
 ALIGNED_CONDITIONS, MISALIGNED_CONDITIONS = ("straight", "extrapolation"), ("curvy", "orthogonal", "random")
 REG = dict(layers=None, form="angle", match_order=True, delay_steps=0, eps=1e-8)
+REG_FORMS = ("angle", "one_minus_cos", "second_diff")
 
 
 class CurvatureLM(CausalLMModule):
@@ -59,7 +63,7 @@ class CurvatureLM(CausalLMModule):
         perturb: layer (hidden-state index 1..L, null = L//2), scale, kind (pca_sampled | extrapolation |
             orthogonal | random), n_candidates, pcs, n_positions (0 = off), positions_per_sequence, seed.
         reg: lambda (0 = plain LM), layers (hidden-state indices, null = the middle half), form (angle |
-            second_diff), match_order, delay_steps, eps.
+            one_minus_cos | second_diff), match_order, delay_steps, eps.
     """
 
     def __init__(self, backbone: Mapping[str, Any], optimizer: Callable | None = None, scheduler: Callable | None = None,
@@ -102,8 +106,8 @@ class CurvatureLM(CausalLMModule):
         if self.reg_lambda > 0 and not self.reg["layers"]:
             raise ValueError("model.reg.lambda > 0 with empty model.reg.layers: name the layers to straighten "
                              "(null = the middle half)")
-        if self.reg["form"] not in ("angle", "second_diff"):
-            raise ValueError(f"model.reg.form={self.reg['form']!r}: choose angle or second_diff")
+        if self.reg["form"] not in REG_FORMS:
+            raise ValueError(f"model.reg.form={self.reg['form']!r}: choose one of {', '.join(REG_FORMS)}")
         self.layers = list(range(0 if self.include_embedding else 1, L + 1))
         self.results: dict[str, Any] = {"emergence": []}
         self._records = None
@@ -122,7 +126,13 @@ class CurvatureLM(CausalLMModule):
         per = []
         for k in self.reg["layers"]:
             h = states[k].float()
-            vals = soft_angles(h, eps=self.reg["eps"]) if self.reg["form"] == "angle" else second_diff(h)
+            form = self.reg["form"]
+            if form == "angle":
+                vals = soft_angles(h, eps=self.reg["eps"])
+            elif form == "one_minus_cos":
+                vals = 1 - step_cosines(h, eps=self.reg["eps"])
+            else:
+                vals = second_diff(h)
             kappa = window_mean(vals, self.window)
             per.append(kappa[..., self.window - 1:].mean())
         return torch.stack(per).mean()
