@@ -138,6 +138,31 @@ def contextual_curvature_from(values, window):
     return torch.stack([values[..., t - 2 - k + 1: t - 1].mean(-1) for t in range(window - 1, T)], -1).mean()
 
 
+@pytest.mark.parametrize("last_state", ["post_norm", "pre_norm"])
+def test_last_state_reads_the_final_norm_as_asked(last_state):
+    """Issue 40: index L is read after the final norm (transformers' hidden_states[-1], the precursor's) by default,
+    before it with last_state=pre_norm; the analysis and the regulariser alike."""
+    torch.manual_seed(0)
+    kw = {} if last_state == "post_norm" else {"last_state": last_state}
+    module = CurvatureLM(TINY, reg={"lambda": 0.3, "layers": [4], "match_order": False}, **kw)
+    module.configure_model()
+    ids = torch.randint(0, 61, (2, 12), generator=_gen(13))
+    seen = {}
+    last = module.model.model.layers[-1]
+    hook = last.register_forward_hook(lambda m, a, o: seen.update(pre=o[0] if isinstance(o, tuple) else o))
+    with torch.no_grad():
+        out = module.model(input_ids=ids, labels=ids, output_hidden_states=True)
+    hook.remove()
+    h = out.hidden_states[-1] if last_state == "post_norm" else seen["pre"]
+    assert not torch.allclose(out.hidden_states[-1], seen["pre"])  # the norm does change the state
+    rec = module.analyse_batch(ids)[0]
+    want = contextual_curvature(h.float(), 3)[:, 2:].reshape(-1)
+    torch.testing.assert_close(rec["kappa"][:, -1], want)
+    penalty = contextual_curvature_from(soft_angles(h.float()), 3)
+    assert module.compute_loss({"input_ids": ids, "labels": ids}).item() == pytest.approx(
+        out.loss.item() + 0.3 * penalty.item(), rel=1e-5)
+
+
 def test_default_layers_are_the_middle_half_and_the_middle_perturbation_layer():
     m = CurvatureLM({**TINY, "config": {**TINY["config"], "num_hidden_layers": 8}})
     assert m.reg["layers"] == [3, 4, 5, 6] and m.perturb["layer"] == 4 and m.layers == list(range(9))
@@ -194,6 +219,8 @@ def test_pca_sampled_picks_the_straightest_and_curviest_candidate_inside_the_pcs
     ({"reg": {"lambda": 0.1, "layers": [2, 9]}}, r"reg.layers \[9\] beyond the model's depth"),
     ({"reg": {"lambda": 0.1, "layers": []}}, "lambda > 0 with empty model.reg.layers"),
     ({"perturb": {"kind": "aligned"}}, "perturb.kind='aligned'"),
+    ({"perturb": {"layer": 4}}, "perturb.layer=4 with model.last_state=post_norm"),
+    ({"last_state": "final"}, "last_state='final'"),
     ({"reg": {"form": "cosine"}}, "reg.form='cosine'"),
 ])
 def test_bad_input_is_one_line_at_construction(kwargs, match):

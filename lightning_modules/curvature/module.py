@@ -3,7 +3,10 @@
 ``CurvatureLM`` is the LM base module plus
 
 - the analysis, in every validation and test loop: per hidden-state index k = 0..L (0 = the embedding output,
-  k = the residual stream after block k-1, before any final norm; ``include_embedding``), the contextual curvature
+  k = the residual stream after block k-1; ``include_embedding``; k = L per ``last_state``: ``post_norm``, the
+  default, is the last block's output after the final norm, as transformers' ``output_hidden_states`` and so the
+  precursor's ``compute_model_curvature`` read it; ``pre_norm`` (ours before issue 40) keeps k = L the same kind of
+  vector as every other index, the residual stream), the contextual curvature
   κ_t^k(w) (``window``) and the next-token entropy H_t at the same t, in ``analysis_dtype`` (float32 or wider: bf16
   blurs small angles); logged ``<stage>/kappa/L<k>`` (mean κ), ``<stage>/r/L<k>`` (Pearson), ``<stage>/rho/L<k>``
   (Spearman), ``<stage>/partial_r/L<k>`` (partial Pearson controlling ``controls``: ``position``, ``log_frequency``
@@ -27,7 +30,7 @@
 
 [INF] The sources give no window, controls, perturbation construction, regulariser form, λ, layers or run sizes:
 every default here (window 3, the three controls, s = 0.5 with 64 candidates in 10 PCs, angle form, λ = 0.1, the
-middle half, no delay) is inferred.
+middle half, no delay) is inferred; ``last_state: post_norm`` is the precursor code's.
 """
 from __future__ import annotations
 
@@ -49,6 +52,7 @@ PERTURB = dict(layer=None, scale=0.5, kind="pca_sampled", n_candidates=64, pcs=1
 ALIGNED_CONDITIONS, MISALIGNED_CONDITIONS = ("straight", "extrapolation"), ("curvy", "orthogonal", "random")
 REG = dict(layers=None, form="angle", match_order=True, delay_steps=0, eps=1e-8)
 REG_FORMS = ("angle", "one_minus_cos", "second_diff")
+LAST_STATES = ("post_norm", "pre_norm")
 
 
 class CurvatureLM(CausalLMModule):
@@ -58,6 +62,8 @@ class CurvatureLM(CausalLMModule):
         backbone, optimizer, scheduler, weight_decay: as ``CausalLMModule``.
         window: points in the contextual-curvature window (>= 3; 3 = the single angle at t).
         include_embedding: analyse hidden-state index 0 (the embedding output) too.
+        last_state: hidden-state index L after the final norm (post_norm: transformers' and the precursor's) or
+            before it (pre_norm: the residual stream, as every other index).
         analysis_dtype: dtype of the angles and entropies (float32 | float64).
         controls: the partial correlation's controls, a subset of position / log_frequency / surprisal.
         perturb: layer (hidden-state index 1..L, null = L//2), scale, kind (pca_sampled | extrapolation |
@@ -69,7 +75,8 @@ class CurvatureLM(CausalLMModule):
     def __init__(self, backbone: Mapping[str, Any], optimizer: Callable | None = None, scheduler: Callable | None = None,
                  weight_decay: float = 0.0, window: int = 3, include_embedding: bool = True,
                  analysis_dtype: str = "float32", controls: Sequence[str] = CONTROLS,
-                 perturb: Mapping[str, Any] | None = None, reg: Mapping[str, Any] | None = None):
+                 perturb: Mapping[str, Any] | None = None, reg: Mapping[str, Any] | None = None,
+                 last_state: str = "post_norm"):
         super().__init__(backbone=backbone, optimizer=optimizer, scheduler=scheduler, weight_decay=weight_decay)
         check_revision(self.backbone_spec)
         if window < 3:
@@ -79,6 +86,9 @@ class CurvatureLM(CausalLMModule):
         bad = [c for c in controls if c not in CONTROLS]
         if bad:
             raise ValueError(f"model.controls {bad} unknown: choose from {', '.join(CONTROLS)}")
+        if last_state not in LAST_STATES:
+            raise ValueError(f"model.last_state={last_state!r}: choose post_norm or pre_norm")
+        self.last_state = last_state
         cfg = build_config(self.backbone_spec)
         self.depth = L = int(cfg.num_hidden_layers)
         self.window, self.include_embedding, self.controls = int(window), bool(include_embedding), list(controls)
@@ -94,6 +104,9 @@ class CurvatureLM(CausalLMModule):
             raise ValueError(f"model.perturb.kind={self.perturb['kind']!r}: choose one of {', '.join(KINDS)} "
                              "(or a list of them, measured on the same tokens)")
         self.perturb["kind"] = kinds
+        if int(self.perturb["layer"]) == L and last_state == "post_norm" and int(self.perturb["n_positions"]) > 0:
+            raise ValueError(f"model.perturb.layer={L} with model.last_state=post_norm: the perturbation edits a "
+                             "block's output before the final norm; pick a layer < L or model.last_state=pre_norm")
         reg = dict(reg or {})
         self.reg_lambda = float(reg.pop("lambda", 0.0))
         self.reg = {**REG, **reg}
@@ -113,12 +126,19 @@ class CurvatureLM(CausalLMModule):
         self._records = None
 
     # --- hidden states ---------------------------------------------------------------------------------------
-    def _states(self, acts) -> dict[int, torch.Tensor]:
-        """Hidden-state index k -> (B, T, D): 0 the embedding output, k the output of block k-1."""
+    def _states(self, acts, hidden_states=None) -> dict[int, torch.Tensor]:
+        """Hidden-state index k -> (B, T, D): 0 the embedding output, k the output of block k-1; L from
+        transformers' ``hidden_states`` (after the final norm) when ``last_state`` is post_norm."""
         out = {k + 1: h for k, h in acts.get("block_out", {}).items()}
         if "embed" in acts and acts["embed"]:
             out[0] = acts["embed"][0]
+        if hidden_states is not None:
+            out[self.depth] = hidden_states[-1]
         return out
+
+    def _post_norm(self, layers) -> bool:
+        """Whether a forward must also return transformers' hidden states (index L after the final norm)."""
+        return self.last_state == "post_norm" and self.depth in layers
 
     # --- regulariser -----------------------------------------------------------------------------------------
     def reg_penalty(self, states: Mapping[int, torch.Tensor]) -> torch.Tensor:
@@ -142,10 +162,11 @@ class CurvatureLM(CausalLMModule):
             return super().compute_loss(batch)
         blocks = [k - 1 for k in self.reg["layers"] if k > 0]
         sites = ("embed", "block_out") if 0 in self.reg["layers"] else ("block_out",)
+        post = self._post_norm(self.reg["layers"])
         with capture(self.model, sites, layers=blocks, detach=False) as acts:
             out = self.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                             labels=batch["labels"], use_cache=False)
-        penalty = self.reg_penalty(self._states(acts))
+                             labels=batch["labels"], use_cache=False, output_hidden_states=post)
+        penalty = self.reg_penalty(self._states(acts, out.hidden_states if post else None))
         scale = 1.0
         if self.reg["match_order"]:
             ce, pen = out.loss.detach().abs().clamp_min(1e-12), penalty.detach().abs().clamp_min(1e-12)
@@ -162,9 +183,11 @@ class CurvatureLM(CausalLMModule):
         """Per-token records of one batch (rows with a full window) and what the perturbation needs."""
         blocks = list(range(self.depth))
         sites = ("embed", "block_out") if self.include_embedding else ("block_out",)
+        post = self._post_norm(self.layers)
         with capture(self.model, sites, layers=blocks) as acts:
-            logits = self.model(input_ids=input_ids, use_cache=False).logits
-        states = self._states(acts)
+            out = self.model(input_ids=input_ids, use_cache=False, output_hidden_states=post)
+        logits = out.logits
+        states = self._states(acts, out.hidden_states if post else None)
         dt = self.analysis_dtype
         kappa = torch.stack([contextual_curvature(states[k].to(dt), self.window) for k in self.layers], -1)  # B,T,K
         logp = torch.log_softmax(logits.to(dt), -1)
