@@ -133,6 +133,33 @@ def test_gradient_checkpointing_keeps_the_gradients(tiny_tokenizer, finetune):
         assert torch.allclose(grads[0][n], grads[1][n], atol=1e-6, rtol=1e-4), n
 
 
+def test_inbedder_arm_trains_and_embeds_as_the_release(tiny_tokenizer):
+    """Issue 40: the InBedder re-implementation: CE of output + EOS after the bare prompt; embedding = the last
+    layer's state on the prompt's last token (the release's fst_gen_layer_<last>); no teacher copy."""
+    m = make(tiny_tokenizer, objective="inbedder", finetune="full", n_lookahead=0, distill="none", lambda_con=0.0,
+             pooling="last")
+    assert m._teacher == [] and m.lookahead is None
+    tok = tiny_tokenizer
+    b = BATCH[0]
+    text = m.template.format(instruction=b["instruction"], input=b["input"])
+    prompt = tok(text, add_special_tokens=False)["input_ids"]
+    answer = tok(b["output"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    m.eval()
+    with torch.no_grad():
+        logits = m.model(input_ids=torch.tensor([prompt + answer])).logits[0].float()
+        by_hand = F.cross_entropy(logits[len(prompt) - 1:-1], torch.tensor(answer))
+        assert m.compute_loss([b]).item() == pytest.approx(by_hand.item(), rel=1e-5)
+        h = m.model(input_ids=torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0, -1]
+    assert torch.allclose(m.encode([b["input"]], b["instruction"])[0], h.float(), atol=1e-5)
+    # a batch of unequal lengths: left padding changes nothing
+    two = m.compute_loss(BATCH[:2])
+    one = [m.compute_loss([x]) for x in BATCH[:2]]
+    n = [len(tok(x["output"], add_special_tokens=False)["input_ids"]) + 1 for x in BATCH[:2]]
+    assert two.item() == pytest.approx(sum(l * k for l, k in zip(one, n)).item() / sum(n), rel=1e-5)
+    with pytest.raises(ValueError, match="objective=inbedder"):
+        make(tiny_tokenizer, objective="inbedder", n_lookahead=8)
+
+
 @pytest.mark.parametrize("distill", ["mse", "kl"])
 def test_distill_is_zero_when_student_is_teacher(tiny_tokenizer, distill):
     gold = tiny_tokenizer(" red", add_special_tokens=False)["input_ids"]
