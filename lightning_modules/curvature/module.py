@@ -14,11 +14,18 @@
   ``<stage>/r_peak`` / ``r_peak_layer`` / ``kappa_min_layer`` / ``mean_entropy`` / ``kappa_reg`` (mean κ over
   ``reg.layers``). A fit logs the same analysis at step 0, before the first update (``results["emergence"]``).
 - the perturbation (test loop, ``perturb.n_positions`` > 0): at hidden-state index ``perturb.layer`` (null = L//2)
-  and random tokens t, h_t += δ with ‖δ‖ = ``scale``·‖h_t - h_{t-1}‖ through ``activations.intervene``, δ of
-  ``perturb.kind`` (perturb.py; a list measures several kinds on the same tokens); logged
-  ``test/perturb/<condition>/{dH, dH_lo, dH_hi, dNLL, dtheta}`` and the paired differences aligned - misaligned
-  (``<straight|extrapolation>_minus_<curvy|orthogonal|random>``). Positions are drawn from their own seeded stream,
-  so runs of different kinds perturb the same tokens.
+  and random tokens t, h_t += δ with ‖δ‖ = s·‖h_t - h_{t-1}‖ through ``activations.intervene``, δ of
+  ``perturb.kind`` (perturb.py; a list measures several kinds on the same tokens; default pca_sampled,
+  extrapolation and the equal-norm ``orthogonal`` control), for every s of ``perturb.scale`` (default 0.02, 0.05,
+  0.1, 0.5) with the same random draws, so each s scales the same candidate directions. Why a sweep (issue 40): at
+  s = 0.5 a middle layer's angle is near that of unrelated points and every direction raises H through a
+  second-order term (ΔH ∝ s² for the orthogonal control), so ΔH at one large s cannot separate aligned from
+  misaligned; the first-order effect is the slope ΔH/s at small s. Logged per s
+  ``test/perturb/s<s>/<condition>/{dH, dH_lo, dH_hi, dNLL, dtheta}`` and the paired differences aligned -
+  misaligned on the same tokens (``test/perturb/s<s>/<straight|extrapolation>_minus_<curvy|orthogonal|random>/dH``,
+  with 95% intervals), and per condition the slope at the smallest s (``test/perturb/<condition>/slope``,
+  ``slope_lo``, ``slope_hi``: the mean of ΔH/s over tokens). Positions are drawn from their own seeded stream, so
+  runs of different kinds perturb the same tokens.
 - the straightening regulariser in ``compute_loss``: CE + λ·mean_t,k κ_t^k over ``reg.layers`` (null = the middle
   half of the blocks' outputs); ``reg.form`` angle (default, ours: eps in the norms, cosine within ±(1-1e-6)) |
   one_minus_cos (1 - cos of successive steps: the precursor trainer's penalty) | second_diff
@@ -29,8 +36,8 @@
   precursor's trainer); ``reg.delay_steps`` starts it later.
 
 [INF] The sources give no window, controls, perturbation construction, regulariser form, λ, layers or run sizes:
-every default here (window 3, the three controls, s = 0.5 with 64 candidates in 10 PCs, angle form, λ = 0.1, the
-middle half, no delay) is inferred; ``last_state: post_norm`` is the precursor code's.
+every default here (window 3, the three controls, s ∈ {0.02, 0.05, 0.1, 0.5} with 64 candidates in 10 PCs, angle
+form, λ = 0.1, the middle half, no delay) is inferred; ``last_state: post_norm`` is the precursor code's.
 """
 from __future__ import annotations
 
@@ -47,8 +54,8 @@ from lightning_modules.curvature.analysis import (contextual_curvature, paired_c
 from lightning_modules.curvature.perturb import KINDS, perturbation_effects, top_pcs
 
 CONTROLS = ("position", "log_frequency", "surprisal")
-PERTURB = dict(layer=None, scale=0.5, kind="pca_sampled", n_candidates=64, pcs=10, n_positions=512,
-               positions_per_sequence=8, seed=0)
+PERTURB = dict(layer=None, scale=(0.02, 0.05, 0.1, 0.5), kind=("pca_sampled", "extrapolation", "orthogonal"),
+               n_candidates=64, pcs=10, n_positions=512, positions_per_sequence=8, seed=0)
 ALIGNED_CONDITIONS, MISALIGNED_CONDITIONS = ("straight", "extrapolation"), ("curvy", "orthogonal", "random")
 REG = dict(layers=None, form="angle", match_order=True, delay_steps=0, eps=1e-8)
 REG_FORMS = ("angle", "one_minus_cos", "second_diff")
@@ -66,8 +73,9 @@ class CurvatureLM(CausalLMModule):
             before it (pre_norm: the residual stream, as every other index).
         analysis_dtype: dtype of the angles and entropies (float32 | float64).
         controls: the partial correlation's controls, a subset of position / log_frequency / surprisal.
-        perturb: layer (hidden-state index 1..L, null = L//2), scale, kind (pca_sampled | extrapolation |
-            orthogonal | random), n_candidates, pcs, n_positions (0 = off), positions_per_sequence, seed.
+        perturb: layer (hidden-state index 1..L, null = L//2), scale (one s or a list), kind (pca_sampled |
+            extrapolation | orthogonal | random, or a list), n_candidates, pcs, n_positions (0 = off),
+            positions_per_sequence, seed.
         reg: lambda (0 = plain LM), layers (hidden-state indices, null = the middle half), form (angle |
             one_minus_cos | second_diff), match_order, delay_steps, eps.
     """
@@ -104,6 +112,11 @@ class CurvatureLM(CausalLMModule):
             raise ValueError(f"model.perturb.kind={self.perturb['kind']!r}: choose one of {', '.join(KINDS)} "
                              "(or a list of them, measured on the same tokens)")
         self.perturb["kind"] = kinds
+        scales = self.perturb["scale"]
+        scales = [scales] if isinstance(scales, (int, float)) else list(scales)
+        if not scales or any(not float(x) > 0 for x in scales):
+            raise ValueError(f"model.perturb.scale={self.perturb['scale']!r}: one s > 0 or a list of them")
+        self.perturb["scale"] = sorted(float(x) for x in scales)
         if int(self.perturb["layer"]) == L and last_state == "post_norm" and int(self.perturb["n_positions"]) > 0:
             raise ValueError(f"model.perturb.layer={L} with model.last_state=post_norm: the perturbation edits a "
                              "block's output before the final norm; pick a layer < L or model.last_state=pre_norm")
@@ -231,12 +244,15 @@ class CurvatureLM(CausalLMModule):
                 break
             rows = min(B, left)
             ts = torch.randint(max(2, self.window - 1), T - 1, (rows,), generator=where).to(input_ids.device)
-            eff = perturbation_effects(self.model, input_ids[:rows], logits[:rows], h[:rows], k, ts, p["kind"],
-                                       float(p["scale"]), pcs=pcs, n_candidates=int(p["n_candidates"]), generator=gen)
-            for cond, vals in eff.items():
-                slot = r["perturb"].setdefault(cond, {m: [] for m in vals})
-                for m, v in vals.items():
-                    slot[m].append(v.cpu())
+            draws = gen.get_state()
+            for s in p["scale"]:  # the same random draws at every s: each s scales the same directions
+                gen.set_state(draws)
+                eff = perturbation_effects(self.model, input_ids[:rows], logits[:rows], h[:rows], k, ts, p["kind"],
+                                           s, pcs=pcs, n_candidates=int(p["n_candidates"]), generator=gen)
+                for cond, vals in eff.items():
+                    slot = r["perturb"].setdefault((s, cond), {m: [] for m in vals})
+                    for m, v in vals.items():
+                        slot[m].append(v.cpu())
             r["n_perturbed"] += rows
 
     def _gathered(self):
@@ -277,20 +293,37 @@ class CurvatureLM(CausalLMModule):
                     f"{stage}/loss": r["nll"] / max(1, r["count"])})
         out[f"{stage}/ppl"] = math.exp(out[f"{stage}/loss"])
         self.results[f"{stage}_layers"] = rows
-        for cond, vals in r["perturb"].items():
-            cat_p = {m: torch.cat(v) for m, v in vals.items()}
-            m, lo, hi = paired_ci(cat_p["dH"])
-            out.update({f"{stage}/perturb/{cond}/dH": m, f"{stage}/perturb/{cond}/dH_lo": lo,
-                        f"{stage}/perturb/{cond}/dH_hi": hi,
-                        f"{stage}/perturb/{cond}/dNLL": float(cat_p["dNLL"].mean()),
-                        f"{stage}/perturb/{cond}/dtheta": float(cat_p["dtheta"].mean()),
-                        f"{stage}/perturb/n": len(cat_p["dH"])})
-        for a in ALIGNED_CONDITIONS:  # paired on the same tokens: aligned minus each misaligned condition
-            for b in MISALIGNED_CONDITIONS:
-                if {a, b} <= set(r["perturb"]):
-                    m, lo, hi = paired_ci(torch.cat(r["perturb"][a]["dH"]) - torch.cat(r["perturb"][b]["dH"]))
-                    out.update({f"{stage}/perturb/{a}_minus_{b}/dH": m, f"{stage}/perturb/{a}_minus_{b}/dH_lo": lo,
-                                f"{stage}/perturb/{a}_minus_{b}/dH_hi": hi})
+        out.update(self.perturb_summary(r["perturb"], stage))
+        return out
+
+    @staticmethod
+    def perturb_summary(perturb: Mapping[tuple[float, str], Mapping[str, list]], stage: str) -> dict[str, float]:
+        """Per s: ΔH (95% paired interval), ΔNLL and Δθ of each condition and the paired differences aligned -
+        misaligned on the same tokens; per condition the slope ΔH/s at the smallest s."""
+        out = {}
+        dH = {key: torch.cat(vals["dH"]) for key, vals in perturb.items()}
+        for (s, cond), vals in perturb.items():
+            pre = f"{stage}/perturb/s{s:g}/{cond}"
+            m, lo, hi = paired_ci(dH[s, cond])
+            out.update({f"{pre}/dH": m, f"{pre}/dH_lo": lo, f"{pre}/dH_hi": hi,
+                        f"{pre}/dNLL": float(torch.cat(vals["dNLL"]).mean()),
+                        f"{pre}/dtheta": float(torch.cat(vals["dtheta"]).mean()),
+                        f"{stage}/perturb/n": len(dH[s, cond])})
+        scales = sorted({s for s, _ in perturb})
+        for s in scales:
+            for a in ALIGNED_CONDITIONS:  # paired on the same tokens: aligned minus each misaligned condition
+                for b in MISALIGNED_CONDITIONS:
+                    if (s, a) in dH and (s, b) in dH:
+                        m, lo, hi = paired_ci(dH[s, a] - dH[s, b])
+                        pre = f"{stage}/perturb/s{s:g}/{a}_minus_{b}"
+                        out.update({f"{pre}/dH": m, f"{pre}/dH_lo": lo, f"{pre}/dH_hi": hi})
+        if scales:
+            s0 = scales[0]
+            for (s, cond), d in dH.items():
+                if s == s0:
+                    m, lo, hi = paired_ci(d / s0)
+                    out.update({f"{stage}/perturb/{cond}/slope": m, f"{stage}/perturb/{cond}/slope_lo": lo,
+                                f"{stage}/perturb/{cond}/slope_hi": hi})
         return out
 
     def _log_summary(self, stage: str, step: int | None = None):
