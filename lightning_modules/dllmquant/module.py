@@ -179,6 +179,9 @@ class DLLMQuantModule(QuantizeLMModule):
         t0 = time.time()
         dlm: MaskedDiffusionLM = self.model
         self._reference = [copy.deepcopy(dlm).eval().requires_grad_(False)]
+        on_device = [{k: v.to(self.device) for k, v in b.items()} for b in batches]
+        # AWQ's release scales (and clips) the model first: IA-AQ and the statistics then see the folded model
+        prepared = self.quantizer.prepare(dlm.model, on_device, self.rate) if hasattr(self.quantizer, "prepare") else {}
         if self.v_bits < 16:
             self.clip_ratios = {}
             if self.iaaq_cfg["enabled"]:
@@ -191,7 +194,7 @@ class DLLMQuantModule(QuantizeLMModule):
                 finally:
                     _iaaq.install(dlm.model, None)
                 self.clip_ratios = rec.ratios()
-        report = quantize_model(dlm.model, self.quantizer, [{k: v.to(self.device) for k, v in b.items()} for b in batches],
+        report = quantize_model(dlm.model, self.quantizer, on_device,
                                 self.rate, mode=self.mode, rate_control=self.rate_control, with_limit=self.with_limit,
                                 stats_device=self.stats_device, **self.extras)
         if self.a_bits < 16:
@@ -205,6 +208,7 @@ class DLLMQuantModule(QuantizeLMModule):
         self.results = {"quantization": {"method": self.method, "calib": self.calib, "cgq": self.cgq_cfg["enabled"],
                                          "iaaq": self.iaaq_cfg["enabled"], "w_bits": self.rate, "a_bits": self.a_bits,
                                          "v_bits": self.v_bits, "clip_ratios": self.clip_ratios, **summary,
+                                         "awq": prepared,
                                          "packed_bytes": summary["bits"] * summary["n_weights"] / 8,
                                          "quant_time_s": time.time() - t0},
                         "layers": report["layers"]}
