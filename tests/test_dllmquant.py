@@ -444,3 +444,80 @@ def test_final_answer_reads_the_gsm8k_mark():
     assert final_answer("12 + 34 = 46 \n # # # # 46") == "46"
     assert final_answer("so 1,200 in all\n#### 1,200") == "1200"
     assert final_answer("no mark 7") is None
+
+
+# --- calibration: no padding, generic text, GSM8K's splits (issue 40) --------------------------------------------
+class _CharTok:
+    """A character tokenizer (ids 3..22) with EOS 1: enough for the module's problem and window plumbing."""
+    eos_token_id = 1
+
+    def __call__(self, s, add_special_tokens=False):
+        return {"input_ids": [3 + ord(c) % 20 for c in s]}
+
+
+def _task_module(monkeypatch, **kw):
+    m = _module(**kw)
+    monkeypatch.setattr(m, "_tokenizer", lambda: _CharTok())
+    return m
+
+
+def test_calibration_rows_see_no_pads(monkeypatch):
+    """A row's statistics are those of the row alone (old: EOS-padded to the batch's longest, real tokens attended
+    to the pads under the mask-free bidirectional attention)."""
+    dlm = _tiny_dlm().double()
+    m = _task_module(monkeypatch, calib="text", n_calib=5, calib_batch_size=4, sampler={"gen_length": 4, "steps": 4})
+    probs = [{"prompt": [3 + i] * (2 + 3 * i), "solution": [5, 6]} for i in range(5)]  # five prompt lengths
+    monkeypatch.setattr(m, "problems", lambda split, n: probs[:n])
+    m.model = dlm
+    batches = m.calibration_batches()
+    q = dlm.model.model.layers[0].mlp.down_proj  # after the attention (layer 0's q/k/v read embeddings alone)
+
+    def sigma(bs):
+        with MomentCollector({"q": q}) as col:
+            for b in bs:
+                col.weight = b["token_weight"]
+                dlm.model(input_ids=b["input_ids"])
+        return col.sums["q"] / col.totals["q"]
+
+    alone = [{"input_ids": torch.tensor([m._answer_region(p).tolist()]),
+              "token_weight": torch.ones(1, len(m._answer_region(p)), dtype=torch.float64)} for p in probs]
+    torch.testing.assert_close(sigma(batches), sigma(alone), rtol=1e-9, atol=1e-12)
+    assert all(bool((b["token_weight"] > 0).all()) for b in batches)
+
+
+def _gsm8k(path, n, tag):
+    import json
+
+    path.write_text("".join(json.dumps({"question": f"{tag} {i}?", "answer": f"{i} #### {i}"}) + "\n"
+                            for i in range(n)))
+    return str(path)
+
+
+def test_text_calibration_reads_generic_text_and_test_reads_every_record(monkeypatch, tmp_path):
+    test_file = _gsm8k(tmp_path / "test.jsonl", 10, "t")
+    text = tmp_path / "wiki.txt"
+    text.write_text("\n".join(f"line {i} of generic text" for i in range(50)) + "\n")
+    m = _task_module(monkeypatch, calib="text", n_calib=3, calib_seq_len=16, task_files=test_file, n_test=None,
+                     calib_text_files=str(text))
+    joined = _CharTok()("\n\n".join(f"line {i} of generic text" for i in range(50)))["input_ids"]
+    wins = m.text_windows(3)
+    assert len(wins) == 3 and all(len(w) == 16 for w in wins)
+    hay = ",".join(map(str, joined))
+    assert all(",".join(map(str, w.tolist())) in hay for w in wins)  # contiguous windows of the text
+    assert len(m.problems("test", None)) == 10  # calibration does not take half of the evaluation set
+    m2 = _task_module(monkeypatch, calib="tmas", task_files=test_file, n_test=None,
+                      calib_files=_gsm8k(tmp_path / "train.jsonl", 6, "c"))
+    assert len(m2.problems("test", None)) == 10 and len(m2.problems("calib", 4)) == 4
+    enc = lambda s: _CharTok()(s)["input_ids"]  # noqa: E731
+    assert {tuple(p["prompt"]) for p in m2.problems("calib", None)} == {tuple(enc(f"c {i}?\n")) for i in range(6)}
+    with pytest.raises(ValueError, match="model.n_test=null"):
+        _module(n_test=None)
+
+
+def test_paper_scale_calibration_is_not_the_evaluation_set():
+    from benchmarks.tables import composed
+
+    for experiment in ("gptq_llada_8b", "awq_llada_8b", "dllmquant_llada_8b"):
+        mc = composed(experiment).model
+        assert mc.n_test is None and mc.task_files.endswith("gsm8k/test.jsonl"), experiment
+        assert mc.calib_files.endswith("gsm8k/train.jsonl") and mc.calib_text_files.endswith("wiki.train.txt")
