@@ -92,7 +92,13 @@ def test_soft_angle_has_finite_gradients_at_collinearity_and_passes_gradcheck():
     torch.testing.assert_close(second_diff(h), (h[2:] - 2 * h[1:-1] + h[:-2]).norm(dim=-1))
 
 
-@pytest.mark.parametrize("form", ["angle", "second_diff"])
+def _one_minus_cos(h):
+    v = h[1:] - h[:-1] if h.dim() == 2 else h[:, 1:] - h[:, :-1]
+    a, b = v[..., :-1, :], v[..., 1:, :]
+    return 1 - (a * b).sum(-1) / (a.norm(dim=-1) * b.norm(dim=-1))
+
+
+@pytest.mark.parametrize("form", ["angle", "one_minus_cos", "second_diff"])
 def test_regularised_loss_is_ce_plus_lambda_times_the_rescaled_penalty(form):
     torch.manual_seed(0)
     module = CurvatureLM(TINY, window=4, reg={"lambda": 0.3, "layers": [0, 2, 3], "form": form})
@@ -101,7 +107,8 @@ def test_regularised_loss_is_ce_plus_lambda_times_the_rescaled_penalty(form):
     batch = {"input_ids": ids, "labels": ids}
     out = module.model(input_ids=ids, labels=ids, output_hidden_states=True)
     hs = out.hidden_states                                   # transformers' own (k < L: before the final norm)
-    per = [(soft_angles(hs[k]) if form == "angle" else second_diff(hs[k])) for k in (0, 2, 3)]
+    by_form = {"angle": soft_angles, "one_minus_cos": _one_minus_cos, "second_diff": second_diff}
+    per = [by_form[form](hs[k]) for k in (0, 2, 3)]
     penalty = torch.stack([contextual_curvature_from(v, 4) for v in per]).mean()
     scale = 10.0 ** (math.floor(math.log10(out.loss.item())) - math.floor(math.log10(penalty.item())))
     loss = module.compute_loss(batch)
@@ -129,6 +136,31 @@ def contextual_curvature_from(values, window):
     """Mean over t >= w-1 of the window means of per-triple values, written out as loops (the reference)."""
     k, T = window - 2, values.shape[-1] + 2
     return torch.stack([values[..., t - 2 - k + 1: t - 1].mean(-1) for t in range(window - 1, T)], -1).mean()
+
+
+@pytest.mark.parametrize("last_state", ["post_norm", "pre_norm"])
+def test_last_state_reads_the_final_norm_as_asked(last_state):
+    """Issue 40: index L is read after the final norm (transformers' hidden_states[-1], the precursor's) by default,
+    before it with last_state=pre_norm; the analysis and the regulariser alike."""
+    torch.manual_seed(0)
+    kw = {} if last_state == "post_norm" else {"last_state": last_state}
+    module = CurvatureLM(TINY, reg={"lambda": 0.3, "layers": [4], "match_order": False}, **kw)
+    module.configure_model()
+    ids = torch.randint(0, 61, (2, 12), generator=_gen(13))
+    seen = {}
+    last = module.model.model.layers[-1]
+    hook = last.register_forward_hook(lambda m, a, o: seen.update(pre=o[0] if isinstance(o, tuple) else o))
+    with torch.no_grad():
+        out = module.model(input_ids=ids, labels=ids, output_hidden_states=True)
+    hook.remove()
+    h = out.hidden_states[-1] if last_state == "post_norm" else seen["pre"]
+    assert not torch.allclose(out.hidden_states[-1], seen["pre"])  # the norm does change the state
+    rec = module.analyse_batch(ids)[0]
+    want = contextual_curvature(h.float(), 3)[:, 2:].reshape(-1)
+    torch.testing.assert_close(rec["kappa"][:, -1], want)
+    penalty = contextual_curvature_from(soft_angles(h.float()), 3)
+    assert module.compute_loss({"input_ids": ids, "labels": ids}).item() == pytest.approx(
+        out.loss.item() + 0.3 * penalty.item(), rel=1e-5)
 
 
 def test_default_layers_are_the_middle_half_and_the_middle_perturbation_layer():
@@ -180,6 +212,54 @@ def test_pca_sampled_picks_the_straightest_and_curviest_candidate_inside_the_pcs
     torch.testing.assert_close(inside, out["straight"])
 
 
+def test_scale_sweep_scales_the_same_directions_and_reports_slopes_and_paired_differences(monkeypatch):
+    """Issue 40: every s of perturb.scale perturbs the same tokens along the same drawn directions; per s ΔH and the
+    paired aligned - misaligned differences, per condition the slope ΔH/s at the smallest s."""
+    import lightning_modules.curvature.perturb as perturb_mod
+
+    torch.manual_seed(0)
+    module = CurvatureLM(TINY, perturb={"kind": ["pca_sampled", "extrapolation", "orthogonal", "random"],
+                                        "scale": [0.1, 0.01], "n_positions": 12, "positions_per_sequence": 2,
+                                        "n_candidates": 8, "pcs": 3})
+    module.configure_model()
+    assert module.perturb["scale"] == [0.01, 0.1]
+    drawn, real = [], perturb_mod.directions
+    monkeypatch.setattr(perturb_mod, "directions",
+                        lambda *a, **kw: drawn.append((a[4], real(*a, **kw))) or drawn[-1][1])
+    module._start()
+    module._add(torch.randint(0, 61, (6, 16), generator=_gen(14)), perturb=True)
+    # two position draws x two scales x four kinds, in that order
+    assert [s for s, _ in drawn] == [0.01] * 4 + [0.1] * 4 + [0.01] * 4 + [0.1] * 4
+    for i in (0, 8):
+        for small, large in zip(drawn[i:i + 4], drawn[i + 4:i + 8]):
+            for cond in small[1]:
+                if cond in ("orthogonal", "random", "extrapolation"):
+                    torch.testing.assert_close(small[1][cond] / 0.01, large[1][cond] / 0.1)
+    out = module.summarize("test")
+    rec = module._records["perturb"]
+    dH = {key: torch.cat(v["dH"]).double() for key, v in rec.items()}
+    assert out["test/perturb/n"] == 12 and len(dH[0.01, "orthogonal"]) == 12
+    for s in (0.01, 0.1):
+        for cond in ("straight", "curvy", "extrapolation", "orthogonal", "random"):
+            assert out[f"test/perturb/s{s:g}/{cond}/dH"] == pytest.approx(dH[s, cond].mean().item())
+        for a, b in (("extrapolation", "orthogonal"), ("straight", "curvy"), ("straight", "random")):
+            diff = dH[s, a] - dH[s, b]
+            assert out[f"test/perturb/s{s:g}/{a}_minus_{b}/dH"] == pytest.approx(diff.mean().item())
+            half = 1.959964 * diff.std().item() / math.sqrt(12)
+            assert out[f"test/perturb/s{s:g}/{a}_minus_{b}/dH_hi"] == pytest.approx(diff.mean().item() + half)
+    for cond in ("straight", "orthogonal"):
+        assert out[f"test/perturb/{cond}/slope"] == pytest.approx(dH[0.01, cond].mean().item() / 0.01)
+
+
+def test_paper_scale_perturbs_with_the_orthogonal_control_over_the_scale_sweep():
+    from benchmarks.tables import composed
+
+    for experiment in ("curvature_gpt2_xl", "curvature_pythia_2p8b"):
+        p = composed(experiment).model.perturb
+        assert "orthogonal" in p.kind and list(p.scale) == [0.02, 0.05, 0.1, 0.5]
+    assert CurvatureLM(TINY).perturb["kind"] == ["pca_sampled", "extrapolation", "orthogonal"]
+
+
 # --- bad input --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, match", [
     ({"window": 2}, "window >= 3"),
@@ -187,6 +267,10 @@ def test_pca_sampled_picks_the_straightest_and_curviest_candidate_inside_the_pcs
     ({"reg": {"lambda": 0.1, "layers": [2, 9]}}, r"reg.layers \[9\] beyond the model's depth"),
     ({"reg": {"lambda": 0.1, "layers": []}}, "lambda > 0 with empty model.reg.layers"),
     ({"perturb": {"kind": "aligned"}}, "perturb.kind='aligned'"),
+    ({"perturb": {"scale": [0.1, 0.0]}}, r"perturb.scale=\[0.1, 0.0\]: one s > 0"),
+    ({"perturb": {"layer": 4}}, "perturb.layer=4 with model.last_state=post_norm"),
+    ({"last_state": "final"}, "last_state='final'"),
+    ({"reg": {"form": "cosine"}}, "reg.form='cosine'"),
 ])
 def test_bad_input_is_one_line_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -226,8 +310,11 @@ def test_curvature_tiny_runs_the_analysis_and_the_perturbation(tmp_path):
     assert metrics["status"] == "ok" and final["test/perturb/n"] == 64
     assert all(0 < final[f"test/kappa/L{k}"] < math.pi for k in range(5))
     assert all(-1 <= final[f"test/r/L{k}"] <= 1 for k in range(5))
-    # the straightest candidate bends less than the curviest, by construction
-    assert final["test/perturb/straight/dtheta"] < final["test/perturb/curvy/dtheta"]
+    # the straightest candidate bends less than the curviest, by construction, at every s
+    for s in (0.02, 0.05, 0.1, 0.5):
+        assert final[f"test/perturb/s{s:g}/straight/dtheta"] < final[f"test/perturb/s{s:g}/curvy/dtheta"]
+    assert math.isfinite(final["test/perturb/orthogonal/slope"])
+    assert math.isfinite(final["test/perturb/s0.02/extrapolation_minus_orthogonal/dH"])
     assert [row["layer"] for row in metrics["results"]["test_layers"]] == [0, 1, 2, 3, 4]
 
 

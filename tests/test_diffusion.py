@@ -269,3 +269,55 @@ def test_a_causal_backbone_or_no_mask_id_is_refused():
         MaskedDiffusionLM(tiny_llama(), None)
     with pytest.raises(ValueError, match="weight_map"):
         build_diffusion_backbone({**SPEC, "weight_map": "gpt9"})
+
+
+class ScriptedLogits(MaskedDiffusionLM):
+    """A 'model' whose logits follow a script, one (L, V) table per call: a sampled [MASK] can be planted."""
+
+    def __init__(self, tables):
+        torch.nn.Module.__init__(self)
+        self.mask_token_id, self.logit_shift = MASK, 0
+        self.tables, self.calls = tables, 0
+
+    def logits(self, input_ids=None, inputs_embeds=None):
+        t = self.tables[self.calls]
+        self.calls += 1
+        return t[None].expand(input_ids.shape[0], -1, -1)
+
+
+def _llada_generate(model, prompt, gen_length, steps, block_length):
+    """LLaDA's generate (greedy, low-confidence), written from its description: each step offers every masked
+    position up to the current block's end (-inf after it), transfers the block's scheduled count."""
+    x = torch.cat([prompt, torch.full((1, gen_length), MASK)], 1)
+    per_block, p = steps // (gen_length // block_length), prompt.shape[1]
+    for nb in range(gen_length // block_length):
+        sched = num_transfer_tokens((x[:, p + nb * block_length:p + (nb + 1) * block_length] == MASK).sum(1), per_block)
+        for i in range(per_block):
+            mask_index = x == MASK
+            logits = model.logits(x)
+            x0 = logits.argmax(-1)
+            x0_p = torch.softmax(logits, -1).gather(-1, x0[..., None]).squeeze(-1)
+            x0_p[:, p + (nb + 1) * block_length:] = -math.inf
+            conf = torch.where(mask_index, x0_p, torch.tensor(-math.inf))
+            sel = conf[0].topk(int(sched[0, i])).indices
+            x[0, sel] = x0[0, sel]
+    return x
+
+
+def test_sampler_offers_an_earlier_blocks_sampled_mask_again_as_llada():
+    """Block 0's first position samples [MASK] (stays masked); LLaDA offers it again in block 1, where it now wins
+    (old: never re-offered, so it stayed [MASK] in the output)."""
+    vocab, n = 10, 6  # prompt 2, then blocks [2, 4) and [4, 6), one transfer a step
+    script = [(2, MASK, 9.0), (3, 7, 1.0)], [(2, 5, 0.5), (3, 7, 6.0)], [(2, 5, 9.0), (4, 8, 2.0), (5, 8, 1.0)], \
+        [(4, 8, 6.0), (5, 6, 2.0)], [(4, 8, 6.0), (5, 6, 2.0)]
+    tables = []
+    for rows in script:
+        t = torch.zeros(n, vocab)
+        for pos, tok, c in rows:
+            t[pos, tok] = c
+        tables.append(t)
+    prompt = torch.tensor([[5, 6]])
+    out = ScriptedLogits(tables).sample(prompt, gen_length=4, steps=4, block_length=2)
+    want = _llada_generate(ScriptedLogits(tables), prompt, 4, 4, 2)
+    assert out.tolist() == want.tolist()
+    assert out[0, 2] == 5 and (out == MASK).sum() == 1  # re-offered and filled; block 1 keeps one mask, as LLaDA

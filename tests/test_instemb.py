@@ -84,6 +84,82 @@ def test_teacher_frozen_lookahead_learns(tiny_tokenizer, finetune):
     assert all(torch.equal(a, b) for a, b in zip(before, after))
 
 
+def test_full_finetune_teacher_states_do_not_move(tiny_tokenizer):
+    """Issue 40: under finetune=full the student's embedding table trains; the teacher must embed its prompt and
+    gold tokens with the frozen copy's table, so its states (the distillation target) stay put after a step."""
+    m = make(tiny_tokenizer, finetune="full", n_lookahead=3, lora={"r": 4, "alpha": 8, "dropout": 0.0},
+             attention_dropout=0.1)
+    rows = [m.prompt_ids(b["instruction"], b["input"]) for b in BATCH]
+    golds = [tiny_tokenizer(b["output"], add_special_tokens=False)["input_ids"] for b in BATCH]
+    before = m.teacher(rows, golds)[0].hidden_states
+    m.compute_loss(BATCH).backward()
+    torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=1.0).step()
+    assert not torch.equal(m.model.get_input_embeddings().weight, m._teacher[0].get_input_embeddings().weight)
+    after = m.teacher(rows, golds)[0].hidden_states
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+@pytest.mark.parametrize("experiment", ["instemb_llama3_8b", "instemb_qwen25_7b"])
+def test_paper_scale_checkpoints_activations(experiment):
+    """Issue 40: three student graphs of 32 x 520 tokens per GPU need gradient checkpointing (the header's estimate)."""
+    from benchmarks.tables import composed
+
+    assert composed(experiment).backbone.gradient_checkpointing is True
+
+
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_gradient_checkpointing_keeps_the_gradients(tiny_tokenizer, finetune):
+    """Checkpointed blocks give InstEmb the same gradients, including the LoRA views whose inputs need no grad."""
+    grads = []
+    for ckpt in (False, True):
+        spec = {**SPEC, "gradient_checkpointing": ckpt}
+        torch.manual_seed(0)
+        m = InstEmbModule({**spec, "config": {**spec["config"], "vocab_size": len(tiny_tokenizer)}},
+                          partial(torch.optim.AdamW, lr=1e-3), max_length=64, finetune=finetune, n_lookahead=3,
+                          lora={"r": 4, "alpha": 8, "dropout": 0.0}, views=["s1", "teacher_input", "student_output"])
+        m.tokenizer = tiny_tokenizer
+        m.configure_model()
+        with torch.no_grad():  # LoRA B = 0 would leave A without gradient
+            for n, p in m.model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.1)
+        m.train()
+        m.compute_loss(BATCH).backward()
+        grads.append({n: p.grad for n, p in m.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys()
+    trained = [n for n, g in grads[0].items() if g is not None]  # all but the LM head (MSE never reads it)
+    assert [n for n, g in grads[1].items() if g is not None] == trained and len(trained) >= len(grads[0]) - 1
+    for n in trained:
+        assert torch.allclose(grads[0][n], grads[1][n], atol=1e-6, rtol=1e-4), n
+
+
+def test_inbedder_arm_trains_and_embeds_as_the_release(tiny_tokenizer):
+    """Issue 40: the InBedder re-implementation: CE of output + EOS after the bare prompt; embedding = the last
+    layer's state on the prompt's last token (the release's fst_gen_layer_<last>); no teacher copy."""
+    m = make(tiny_tokenizer, objective="inbedder", finetune="full", n_lookahead=0, distill="none", lambda_con=0.0,
+             pooling="last")
+    assert m._teacher == [] and m.lookahead is None
+    tok = tiny_tokenizer
+    b = BATCH[0]
+    text = m.template.format(instruction=b["instruction"], input=b["input"])
+    prompt = tok(text, add_special_tokens=False)["input_ids"]
+    answer = tok(b["output"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    m.eval()
+    with torch.no_grad():
+        logits = m.model(input_ids=torch.tensor([prompt + answer])).logits[0].float()
+        by_hand = F.cross_entropy(logits[len(prompt) - 1:-1], torch.tensor(answer))
+        assert m.compute_loss([b]).item() == pytest.approx(by_hand.item(), rel=1e-5)
+        h = m.model(input_ids=torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0, -1]
+    assert torch.allclose(m.encode([b["input"]], b["instruction"])[0], h.float(), atol=1e-5)
+    # a batch of unequal lengths: left padding changes nothing
+    two = m.compute_loss(BATCH[:2])
+    one = [m.compute_loss([x]) for x in BATCH[:2]]
+    n = [len(tok(x["output"], add_special_tokens=False)["input_ids"]) + 1 for x in BATCH[:2]]
+    assert two.item() == pytest.approx(sum(l * k for l, k in zip(one, n)).item() / sum(n), rel=1e-5)
+    with pytest.raises(ValueError, match="objective=inbedder"):
+        make(tiny_tokenizer, objective="inbedder", n_lookahead=8)
+
+
 @pytest.mark.parametrize("distill", ["mse", "kl"])
 def test_distill_is_zero_when_student_is_teacher(tiny_tokenizer, distill):
     gold = tiny_tokenizer(" red", add_special_tokens=False)["input_ids"]

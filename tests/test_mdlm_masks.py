@@ -343,3 +343,19 @@ def json_flat(d, prefix=""):
         else:
             out[f"{prefix}{k}"] = v
     return out
+
+
+def test_paper_scale_runs_hold_the_spec_batch_and_name_every_arm():
+    """Global batch 129 (the spec's "batch 3, accumulation 43"; was 3 x 8 GPUs x 43 = 1,032), k = 20 in the grids
+    (Dream's quoted point), and the 40-step arm and the untuned Instruct / Dream runs as experiments (issue 40)."""
+    from benchmarks.tables import composed
+    from tests.test_paper_scale import derived_budget
+
+    for experiment in ("mdlm_masks_llada_8b", "mdlm_masks_llada_8b_instruct", "mdlm_masks_dream_7b"):
+        cfg = composed(experiment)
+        assert derived_budget(cfg)["global_batch"] == 129 and 20 in cfg.model.ks, experiment
+    assert 20 in composed("mdlm_masks_eval_llada_8b").model.ks
+    assert composed("mdlm_masks_eval_llada_8b_instruct").backbone.pretrained == "GSAI-ML/LLaDA-8B-Instruct"
+    assert composed("mdlm_masks_eval_dream_7b").backbone.diffusion.logit_shift == 1
+    steps40 = composed("mdlm_masks_eval_llada_8b_steps40")
+    assert steps40.model.eval_steps == 40 and steps40.task == "test"

@@ -11,6 +11,7 @@
   ``gen_length`` masks, split them into semi-autoregressive blocks, and in each of ``steps / blocks`` steps unmask
   the scheduled number of tokens (LLaDA's ``get_num_transfer_tokens``), chosen by confidence (low_confidence
   remasking) or at random; Gumbel-max with ``temperature``; ``callback(step, x, transferred)`` after every step.
+  As in LLaDA, a position left masked before the current block (its sampled token was [MASK]) is offered again.
   ``denoise(x, steps)`` unmasks whatever masks ``x`` holds, the study's "iterative unmasking".
 - ``build_diffusion_backbone(spec)``: a backbone spec (``conf/backbone/*.yaml``) with a ``diffusion:
   {mask_token_id, logit_shift}`` block and optionally ``weight_map: llada|dream``: LLaDA ships custom code for
@@ -140,8 +141,11 @@ class MaskedDiffusionLM(torch.nn.Module):
     @torch.no_grad()
     def denoise(self, x: torch.Tensor, steps: int, temperature: float = 0.0, remasking: str = "low_confidence",
                 window: tuple[int, int] | None = None, callback: Callable | None = None, step_offset: int = 0,
-                generator: torch.Generator | None = None) -> torch.Tensor:
-        """Unmask every mask of ``x`` inside ``window`` (start, end; default: all) in ``steps`` steps; returns x."""
+                generator: torch.Generator | None = None, offer_before: bool = False) -> torch.Tensor:
+        """Unmask every mask of ``x`` inside ``window`` (start, end; default: all) in ``steps`` steps; returns x.
+        ``offer_before``: masks before the window (the prompt's, or an earlier block's position whose sampled token
+        was [MASK]) compete for the window's scheduled transfers too, as in LLaDA's ``generate``, which hides only
+        the positions after the current block; the schedule still counts the window's masks alone."""
         if remasking not in REMASKING:
             raise ValueError(f"remasking={remasking!r}: choose one of {', '.join(REMASKING)}")
         x = x.clone()
@@ -149,8 +153,11 @@ class MaskedDiffusionLM(torch.nn.Module):
         inside = torch.zeros_like(x, dtype=torch.bool)
         inside[:, lo:hi] = True
         schedule = num_transfer_tokens(((x == self.mask_token_id) & inside).sum(-1), steps)
+        offered = inside.clone()
+        if offer_before:
+            offered[:, :lo] = True
         for i in range(steps):
-            mask = (x == self.mask_token_id) & inside
+            mask = (x == self.mask_token_id) & offered
             logits = self.logits(x)
             x0 = add_gumbel_noise(logits, temperature, generator).argmax(-1)
             if remasking == "low_confidence":
@@ -186,7 +193,7 @@ class MaskedDiffusionLM(torch.nn.Module):
         for b in range(blocks):
             lo = start + b * block_length
             x = self.denoise(x, per_block, temperature, remasking, (lo, lo + block_length), callback,
-                             step_offset=b * per_block, generator=generator)
+                             step_offset=b * per_block, generator=generator, offer_before=True)
         return x
 
 

@@ -28,11 +28,17 @@ def pairwise_angles(h: torch.Tensor) -> torch.Tensor:
     return torch.arccos(_unit_cos(v[..., :-1, :], v[..., 1:, :]).clamp(-1.0, 1.0))
 
 
+def step_cosines(h: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
+    """cos(v_j, v_{j+1}) of successive steps of h (..., T, D): (..., T-2), aligned as ``pairwise_angles``; ``eps``
+    in the norms. 1 - cos is the precursor trainer's straightness penalty."""
+    v = h[..., 1:, :] - h[..., :-1, :]
+    return _unit_cos(v[..., :-1, :], v[..., 1:, :], eps)
+
+
 def soft_angles(h: torch.Tensor, eps: float = 1e-8, margin: float = 1e-6) -> torch.Tensor:
     """The differentiable angle of the regulariser: eps in the norms and the cosine kept inside ±(1 - margin), so
     the gradient stays finite at (near-)collinear points, where d arccos(c)/dc = -1/sqrt(1 - c²) diverges."""
-    v = h[..., 1:, :] - h[..., :-1, :]
-    return torch.arccos(_unit_cos(v[..., :-1, :], v[..., 1:, :], eps).clamp(-1.0 + margin, 1.0 - margin))
+    return torch.arccos(step_cosines(h, eps).clamp(-1.0 + margin, 1.0 - margin))
 
 
 def second_diff(h: torch.Tensor) -> torch.Tensor:

@@ -4,12 +4,14 @@ One invocation runs four jobs of the runner, each as ``python run.py`` would:
 
 1. ``curvature_tiny`` on tiny-lm: κ and corr(κ, H) per layer on the test split, and >= 1k perturbed tokens at the
    middle layer with every kind on the same tokens (pca_sampled straightest/curviest, extrapolation, orthogonal,
-   random), each ΔH with a paired 95% interval;
+   random) at every s of the sweep (0.02, 0.05, 0.1, 0.5; same draws), each ΔH with a paired 95% interval, the
+   paired aligned - misaligned differences per s and the slope ΔH/s at s = 0.02 (the first-order effect: at s = 0.5
+   every direction raises H through a second-order term, issue 40);
 2. the same on tiny-lm's random-init twin (``backbone.pretrained=null``: same architecture and tokenizer);
 3. ``curvature_reg_tiny`` with λ = 0: lm_tiny's recipe; its validations (step 0 included) are the emergence curve;
 4. the same with λ = 0.1, same seed and data: mean entropy, validation loss, κ at the regularised layers.
 
-    python -m benchmarks curvature            # full: 3.9 min measured (2 shared cores, 87f5553)
+    python -m benchmarks curvature            # full: ~10 min on 2 idle cores (estimate: 4x the perturbed forwards)
     python -m benchmarks curvature --quick    # 40 training steps, 128 perturbed tokens: proves the wiring only
 
 Writes benchmarks/results/curvature.json (claims, benchmarks/schema.py) and curvature_*.png beside it.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 
 KINDS = "[pca_sampled,extrapolation,orthogonal,random]"
@@ -67,17 +70,44 @@ def main(argv=None):
     return res
 
 
+CONDITIONS = ("straight", "curvy", "extrapolation", "orthogonal", "random")
+PAIRS = (("extrapolation", "orthogonal"), ("straight", "curvy"))
+
+
+def scales_of(final: dict) -> list[float]:
+    """The perturbation scales a run logged (``test/perturb/s<s>/...``), ascending."""
+    found = (re.match(r"test/perturb/s(\d[^/]*)/", k) for k in final)
+    return sorted({float(m.group(1)) for m in found if m})
+
+
+def per_s(final: dict, a: str, b: str) -> str:
+    """The paired difference a - b of ΔH at every s, with its 95% interval."""
+    out = []
+    for s in scales_of(final):
+        pre = f"test/perturb/s{s:g}/{a}_minus_{b}/dH"
+        out.append(f"s {s:g}: {final[pre]:+.5f} [{final[pre + '_lo']:+.5f}, {final[pre + '_hi']:+.5f}]")
+    return "; ".join(out)
+
+
 def report(res):
     t, r = res["trained"]["final"], res["random"]["final"]
     print("\nlayer  kappa(tiny-lm)  kappa(random)  r(tiny-lm)  partial_r(tiny-lm)  r(random)")
     for k in sorted(layer_series(t, "test", "kappa")):
         print(f"{k:5d}  {t[f'test/kappa/L{k}']:14.4f}  {r[f'test/kappa/L{k}']:13.4f}  {t[f'test/r/L{k}']:10.4f}  "
               f"{t[f'test/partial_r/L{k}']:18.4f}  {r[f'test/r/L{k}']:9.4f}")
-    print("\nperturbation at the middle layer (mean over tokens, 95% paired interval):")
-    for cond in ("straight", "curvy", "extrapolation", "orthogonal", "random"):
-        print(f"  {cond:13s} dH {t[f'test/perturb/{cond}/dH']:+.4f} [{t[f'test/perturb/{cond}/dH_lo']:+.4f}, "
-              f"{t[f'test/perturb/{cond}/dH_hi']:+.4f}]  dNLL {t[f'test/perturb/{cond}/dNLL']:+.4f}  "
-              f"dtheta {t[f'test/perturb/{cond}/dtheta']:+.4f}")
+    scales = scales_of(t)
+    print("\nperturbation at the middle layer (mean over tokens, 95% paired interval), "
+          f"slope dH/s at s = {scales[0]:g}:")
+    for cond in CONDITIONS:
+        print(f"  {cond:13s} slope {t[f'test/perturb/{cond}/slope']:+.4f} [{t[f'test/perturb/{cond}/slope_lo']:+.4f}, "
+              f"{t[f'test/perturb/{cond}/slope_hi']:+.4f}]")
+        for s in scales:
+            pre = f"test/perturb/s{s:g}/{cond}"
+            print(f"    s {s:<5g} dH {t[f'{pre}/dH']:+.5f} [{t[f'{pre}/dH_lo']:+.5f}, {t[f'{pre}/dH_hi']:+.5f}]  "
+                  f"dNLL {t[f'{pre}/dNLL']:+.5f}  dtheta {t[f'{pre}/dtheta']:+.4f}")
+    print("paired aligned - misaligned dH per s (same tokens):")
+    for a, b in PAIRS:
+        print(f"  {a} - {b}: " + per_s(t, a, b))
     print("\nemergence (lambda=0 run, val r per layer):")
     for e in res["lam0"]["results"]["emergence"]:
         print(f"  step {e['step']:5d}: " + " ".join(f"L{k}={v:+.3f}" for k, v in e.items() if k != "step"))
@@ -103,13 +133,18 @@ def plot(res, out: Path):
     b.axhline(0, color="grey", lw=0.5)
     b.set(xlabel="hidden-state index", ylabel="Pearson r(kappa, H) (val)", title="emergence (lambda = 0)")
     b.legend(fontsize=7)
-    conds = ["straight", "curvy", "extrapolation", "orthogonal", "random"]
-    m = [t[f"test/perturb/{x}/dH"] for x in conds]
-    err = [[m_ - t[f"test/perturb/{x}/dH_lo"] for x, m_ in zip(conds, m)],
-           [t[f"test/perturb/{x}/dH_hi"] - m_ for x, m_ in zip(conds, m)]]
-    c.bar(conds, m, yerr=err, color=["C2", "C3", "C2", "C3", "C7"])
+    scales = scales_of(t)
+    for cond, colour in zip(CONDITIONS, ("C2", "C3", "C0", "C1", "C7")):
+        m = [t[f"test/perturb/s{s:g}/{cond}/dH"] for s in scales]
+        err = [[m_ - t[f"test/perturb/s{s:g}/{cond}/dH_lo"] for s, m_ in zip(scales, m)],
+               [t[f"test/perturb/s{s:g}/{cond}/dH_hi"] - m_ for s, m_ in zip(scales, m)]]
+        c.errorbar(scales, m, yerr=err, marker="o", color=colour, label=cond, capsize=2)
     c.axhline(0, color="grey", lw=0.5)
-    c.set(ylabel="mean dH (nats), 95% CI", title="perturbation at the middle layer")
+    c.set(xscale="log", xlabel="s = |delta| / |h_t - h_{t-1}|", ylabel="mean dH (nats), 95% CI",
+          title="perturbation at the middle layer")
+    c.set_xticks(scales, [f"{s:g}" for s in scales])
+    c.minorticks_off()
+    c.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "curvature_tiny.png", dpi=110)
 
@@ -170,28 +205,34 @@ def claims(res, argv):
         paper_value="r ≈ 0 at init, rising with training (Pythia checkpoints: table 'Emergence')",
         why=f"step 0: {r0:+.3f}, step {em[-1]['step']}: {r_end:+.3f} (val split)"))
 
-    def perturb(cond):  # the module's paired 95% normal interval over tokens, as an SE
-        m, lo, hi = (t[f"test/perturb/{cond}/dH{s}"] for s in ("", "_lo", "_hi"))
+    # 4. aligned perturbations modulate (lower) entropy; 5. misaligned ones do not. Read at small s: at s = 0.5 every
+    # direction raises H through a second-order term (issue 40), so the first-order slope dH/s at the smallest s and
+    # the paired aligned - misaligned difference per s carry the claim
+    scales = scales_of(t)
+    s0 = scales[0]
+
+    def slope(cond):  # the module's paired 95% normal interval over tokens, as an SE (the rule sets the level)
+        m, lo, hi = (t[f"test/perturb/{cond}/slope{x}"] for x in ("", "_lo", "_hi"))
         return stats.from_se(m, (hi - lo) / (2 * 1.959964), None, n_pert, "tokens", "paired normal", paired=True)
 
-    # 4. aligned perturbations lower entropy (the spec's direction); 5. misaligned ones have none (within a margin)
-    for cond, other in (("extrapolation", "orthogonal"), ("straight", "curvy")):
-        est, diff = perturb(cond), perturb(f"{cond}_minus_{other}")
+    for cond, other in PAIRS:
         found.append(stats.claim(
             f"aligned_{cond}", "manipulating curvature through trajectory-aligned interventions reliably modulates "
-            "entropy", f"tiny-lm middle layer: mean dH of the {cond} perturbation (nats), s = 0.5", est, expect="<",
-            n_seeds=1, n_items=n_pert, paper_value="trajectory-aligned perturbations lower next-token entropy (table "
-                                                   "'Perturbation')",
-            why=f"paired {cond} - {other}: {diff.value:+.4f} [{diff.lo:+.4f}, {diff.hi:+.4f}]; dtheta "
-                f"{t[f'test/perturb/{cond}/dtheta']:+.3f} rad"))
+            "entropy", f"tiny-lm middle layer: slope dH/s of the {cond} perturbation at s = {s0:g} (nats per unit s)",
+            slope(cond), expect="<", n_seeds=1, n_items=n_pert,
+            paper_value="trajectory-aligned perturbations lower next-token entropy (table 'Perturbation')",
+            why=f"paired {cond} - {other} dH per s: {per_s(t, cond, other)}; dtheta at s {s0:g} "
+                f"{t[f'test/perturb/s{s0:g}/{cond}/dtheta']:+.4f} rad"))
     for cond in ("orthogonal", "curvy"):
         found.append(stats.claim(
             f"misaligned_{cond}", "geometrically misaligned perturbations have no effect",
-            f"tiny-lm middle layer: mean dH of the {cond} perturbation (nats), same norm", perturb(cond),
-            expect="within", threshold=0.0, margin=NO_EFFECT_NATS, n_seeds=1, n_items=n_pert,
+            f"tiny-lm middle layer: slope dH/s of the {cond} perturbation at s = {s0:g}, same norm", slope(cond),
+            expect="within", threshold=0.0, margin=NO_EFFECT_NATS / s0, n_seeds=1, n_items=n_pert,
             paper_value="no effect (table 'Perturbation')",
-            our_threshold=f"|ΔH| < {NO_EFFECT_NATS} nats (about 1% of the mean entropy): 'no effect' needs a margin",
-            why=f"dNLL {t[f'test/perturb/{cond}/dNLL']:+.4f}; dtheta {t[f'test/perturb/{cond}/dtheta']:+.3f} rad"))
+            our_threshold=f"|ΔH| < {NO_EFFECT_NATS} nats at s = {s0:g} (about 1% of the mean entropy): 'no effect' "
+                          "needs a margin",
+            why="dH per s " + ", ".join(f"{s:g}: {t[f'test/perturb/s{s:g}/{cond}/dH']:+.5f}" for s in scales)
+                + f"; dNLL at s {s0:g} {t[f'test/perturb/s{s0:g}/{cond}/dNLL']:+.5f}"))
 
     # 6. the regulariser: one run per lambda, so no noise estimate
     dH = lam["val/mean_entropy"] - lam0["val/mean_entropy"]
@@ -216,9 +257,9 @@ def claims(res, argv):
             "(+sweep=curvature_pythia_revisions)"))
     conds = ["straight", "curvy", "extrapolation", "orthogonal", "random"]
     arms = [arms_table(f"perturbation at the middle layer: mean ΔH and ΔNLL (nats) over {n_pert} tokens, 95% interval",
-                       ["perturbation", "ΔH", "95% lo", "95% hi", "ΔNLL", "Δθ (rad)"],
-                       [[c, *(t[f"test/perturb/{c}/{k}"] for k in ("dH", "dH_lo", "dH_hi", "dNLL", "dtheta"))]
-                        for c in conds if f"test/perturb/{c}/dH" in t]),
+                       ["s", "perturbation", "ΔH", "95% lo", "95% hi", "ΔNLL", "Δθ (rad)"],
+                       [[s, c, *(t[f"test/perturb/s{s:g}/{c}/{k}"] for k in ("dH", "dH_lo", "dH_hi", "dNLL", "dtheta"))]
+                        for s in scales for c in conds if f"test/perturb/s{s:g}/{c}/dH" in t]),
             arms_table("per layer: mean curvature and r(κ, H), trained and random-init twin",
                        ["layer", "κ trained", "κ random", "r trained", "r random"],
                        [[k, t[f"test/kappa/L{k}"], rnd[f"test/kappa/L{k}"], t[f"test/r/L{k}"], rnd[f"test/r/L{k}"]]

@@ -3,7 +3,10 @@
 ``CurvatureLM`` is the LM base module plus
 
 - the analysis, in every validation and test loop: per hidden-state index k = 0..L (0 = the embedding output,
-  k = the residual stream after block k-1, before any final norm; ``include_embedding``), the contextual curvature
+  k = the residual stream after block k-1; ``include_embedding``; k = L per ``last_state``: ``post_norm``, the
+  default, is the last block's output after the final norm, as transformers' ``output_hidden_states`` and so the
+  precursor's ``compute_model_curvature`` read it; ``pre_norm`` (ours before issue 40) keeps k = L the same kind of
+  vector as every other index, the residual stream), the contextual curvature
   κ_t^k(w) (``window``) and the next-token entropy H_t at the same t, in ``analysis_dtype`` (float32 or wider: bf16
   blurs small angles); logged ``<stage>/kappa/L<k>`` (mean κ), ``<stage>/r/L<k>`` (Pearson), ``<stage>/rho/L<k>``
   (Spearman), ``<stage>/partial_r/L<k>`` (partial Pearson controlling ``controls``: ``position``, ``log_frequency``
@@ -11,20 +14,30 @@
   ``<stage>/r_peak`` / ``r_peak_layer`` / ``kappa_min_layer`` / ``mean_entropy`` / ``kappa_reg`` (mean κ over
   ``reg.layers``). A fit logs the same analysis at step 0, before the first update (``results["emergence"]``).
 - the perturbation (test loop, ``perturb.n_positions`` > 0): at hidden-state index ``perturb.layer`` (null = L//2)
-  and random tokens t, h_t += δ with ‖δ‖ = ``scale``·‖h_t - h_{t-1}‖ through ``activations.intervene``, δ of
-  ``perturb.kind`` (perturb.py; a list measures several kinds on the same tokens); logged
-  ``test/perturb/<condition>/{dH, dH_lo, dH_hi, dNLL, dtheta}`` and the paired differences aligned - misaligned
-  (``<straight|extrapolation>_minus_<curvy|orthogonal|random>``). Positions are drawn from their own seeded stream,
-  so runs of different kinds perturb the same tokens.
+  and random tokens t, h_t += δ with ‖δ‖ = s·‖h_t - h_{t-1}‖ through ``activations.intervene``, δ of
+  ``perturb.kind`` (perturb.py; a list measures several kinds on the same tokens; default pca_sampled,
+  extrapolation and the equal-norm ``orthogonal`` control), for every s of ``perturb.scale`` (default 0.02, 0.05,
+  0.1, 0.5) with the same random draws, so each s scales the same candidate directions. Why a sweep (issue 40): at
+  s = 0.5 a middle layer's angle is near that of unrelated points and every direction raises H through a
+  second-order term (ΔH ∝ s² for the orthogonal control), so ΔH at one large s cannot separate aligned from
+  misaligned; the first-order effect is the slope ΔH/s at small s. Logged per s
+  ``test/perturb/s<s>/<condition>/{dH, dH_lo, dH_hi, dNLL, dtheta}`` and the paired differences aligned -
+  misaligned on the same tokens (``test/perturb/s<s>/<straight|extrapolation>_minus_<curvy|orthogonal|random>/dH``,
+  with 95% intervals), and per condition the slope at the smallest s (``test/perturb/<condition>/slope``,
+  ``slope_lo``, ``slope_hi``: the mean of ΔH/s over tokens). Positions are drawn from their own seeded stream, so
+  runs of different kinds perturb the same tokens.
 - the straightening regulariser in ``compute_loss``: CE + λ·mean_t,k κ_t^k over ``reg.layers`` (null = the middle
-  half of the blocks' outputs); ``reg.form`` angle (eps in the norms, cosine within ±(1-1e-6)) | second_diff
-  (‖h_{t+1} - 2h_t + h_{t-1}‖, the precursor's, not scale-invariant); ``reg.match_order`` rescales the penalty to
-  CE's order of magnitude (10^(floor log10 CE - floor log10 penalty), detached, as the precursor's trainer);
-  ``reg.delay_steps`` starts it later.
+  half of the blocks' outputs); ``reg.form`` angle (default, ours: eps in the norms, cosine within ±(1-1e-6)) |
+  one_minus_cos (1 - cos of successive steps: the precursor trainer's penalty) | second_diff
+  (‖h_{t+1} - 2h_t + h_{t-1}‖, the precursor's alternative, not scale-invariant). The angle stays the default: it
+  is the quantity the analysis measures and the paper names (their gradients agree to cosine 0.9986, issue 40),
+  and 1 - cos flattens near straight trajectories, where d(1 - cos θ)/dθ = sin θ vanishes. ``reg.match_order``
+  rescales the penalty to CE's order of magnitude (10^(floor log10 CE - floor log10 penalty), detached, as the
+  precursor's trainer); ``reg.delay_steps`` starts it later.
 
 [INF] The sources give no window, controls, perturbation construction, regulariser form, λ, layers or run sizes:
-every default here (window 3, the three controls, s = 0.5 with 64 candidates in 10 PCs, angle form, λ = 0.1, the
-middle half, no delay) is inferred.
+every default here (window 3, the three controls, s ∈ {0.02, 0.05, 0.1, 0.5} with 64 candidates in 10 PCs, angle
+form, λ = 0.1, the middle half, no delay) is inferred; ``last_state: post_norm`` is the precursor code's.
 """
 from __future__ import annotations
 
@@ -37,14 +50,16 @@ from lightning_modules.common.activations import capture
 from lightning_modules.common.backbone import build_config, check_revision
 from lightning_modules.common.lm import CausalLMModule
 from lightning_modules.curvature.analysis import (contextual_curvature, paired_ci, partial_corr, pearson, second_diff,
-                                                  soft_angles, spearman, token_entropy, window_mean)
+                                                  soft_angles, spearman, step_cosines, token_entropy, window_mean)
 from lightning_modules.curvature.perturb import KINDS, perturbation_effects, top_pcs
 
 CONTROLS = ("position", "log_frequency", "surprisal")
-PERTURB = dict(layer=None, scale=0.5, kind="pca_sampled", n_candidates=64, pcs=10, n_positions=512,
-               positions_per_sequence=8, seed=0)
+PERTURB = dict(layer=None, scale=(0.02, 0.05, 0.1, 0.5), kind=("pca_sampled", "extrapolation", "orthogonal"),
+               n_candidates=64, pcs=10, n_positions=512, positions_per_sequence=8, seed=0)
 ALIGNED_CONDITIONS, MISALIGNED_CONDITIONS = ("straight", "extrapolation"), ("curvy", "orthogonal", "random")
 REG = dict(layers=None, form="angle", match_order=True, delay_steps=0, eps=1e-8)
+REG_FORMS = ("angle", "one_minus_cos", "second_diff")
+LAST_STATES = ("post_norm", "pre_norm")
 
 
 class CurvatureLM(CausalLMModule):
@@ -54,18 +69,22 @@ class CurvatureLM(CausalLMModule):
         backbone, optimizer, scheduler, weight_decay: as ``CausalLMModule``.
         window: points in the contextual-curvature window (>= 3; 3 = the single angle at t).
         include_embedding: analyse hidden-state index 0 (the embedding output) too.
+        last_state: hidden-state index L after the final norm (post_norm: transformers' and the precursor's) or
+            before it (pre_norm: the residual stream, as every other index).
         analysis_dtype: dtype of the angles and entropies (float32 | float64).
         controls: the partial correlation's controls, a subset of position / log_frequency / surprisal.
-        perturb: layer (hidden-state index 1..L, null = L//2), scale, kind (pca_sampled | extrapolation |
-            orthogonal | random), n_candidates, pcs, n_positions (0 = off), positions_per_sequence, seed.
+        perturb: layer (hidden-state index 1..L, null = L//2), scale (one s or a list), kind (pca_sampled |
+            extrapolation | orthogonal | random, or a list), n_candidates, pcs, n_positions (0 = off),
+            positions_per_sequence, seed.
         reg: lambda (0 = plain LM), layers (hidden-state indices, null = the middle half), form (angle |
-            second_diff), match_order, delay_steps, eps.
+            one_minus_cos | second_diff), match_order, delay_steps, eps.
     """
 
     def __init__(self, backbone: Mapping[str, Any], optimizer: Callable | None = None, scheduler: Callable | None = None,
                  weight_decay: float = 0.0, window: int = 3, include_embedding: bool = True,
                  analysis_dtype: str = "float32", controls: Sequence[str] = CONTROLS,
-                 perturb: Mapping[str, Any] | None = None, reg: Mapping[str, Any] | None = None):
+                 perturb: Mapping[str, Any] | None = None, reg: Mapping[str, Any] | None = None,
+                 last_state: str = "post_norm"):
         super().__init__(backbone=backbone, optimizer=optimizer, scheduler=scheduler, weight_decay=weight_decay)
         check_revision(self.backbone_spec)
         if window < 3:
@@ -75,6 +94,9 @@ class CurvatureLM(CausalLMModule):
         bad = [c for c in controls if c not in CONTROLS]
         if bad:
             raise ValueError(f"model.controls {bad} unknown: choose from {', '.join(CONTROLS)}")
+        if last_state not in LAST_STATES:
+            raise ValueError(f"model.last_state={last_state!r}: choose post_norm or pre_norm")
+        self.last_state = last_state
         cfg = build_config(self.backbone_spec)
         self.depth = L = int(cfg.num_hidden_layers)
         self.window, self.include_embedding, self.controls = int(window), bool(include_embedding), list(controls)
@@ -90,6 +112,14 @@ class CurvatureLM(CausalLMModule):
             raise ValueError(f"model.perturb.kind={self.perturb['kind']!r}: choose one of {', '.join(KINDS)} "
                              "(or a list of them, measured on the same tokens)")
         self.perturb["kind"] = kinds
+        scales = self.perturb["scale"]
+        scales = [scales] if isinstance(scales, (int, float)) else list(scales)
+        if not scales or any(not float(x) > 0 for x in scales):
+            raise ValueError(f"model.perturb.scale={self.perturb['scale']!r}: one s > 0 or a list of them")
+        self.perturb["scale"] = sorted(float(x) for x in scales)
+        if int(self.perturb["layer"]) == L and last_state == "post_norm" and int(self.perturb["n_positions"]) > 0:
+            raise ValueError(f"model.perturb.layer={L} with model.last_state=post_norm: the perturbation edits a "
+                             "block's output before the final norm; pick a layer < L or model.last_state=pre_norm")
         reg = dict(reg or {})
         self.reg_lambda = float(reg.pop("lambda", 0.0))
         self.reg = {**REG, **reg}
@@ -102,19 +132,26 @@ class CurvatureLM(CausalLMModule):
         if self.reg_lambda > 0 and not self.reg["layers"]:
             raise ValueError("model.reg.lambda > 0 with empty model.reg.layers: name the layers to straighten "
                              "(null = the middle half)")
-        if self.reg["form"] not in ("angle", "second_diff"):
-            raise ValueError(f"model.reg.form={self.reg['form']!r}: choose angle or second_diff")
+        if self.reg["form"] not in REG_FORMS:
+            raise ValueError(f"model.reg.form={self.reg['form']!r}: choose one of {', '.join(REG_FORMS)}")
         self.layers = list(range(0 if self.include_embedding else 1, L + 1))
         self.results: dict[str, Any] = {"emergence": []}
         self._records = None
 
     # --- hidden states ---------------------------------------------------------------------------------------
-    def _states(self, acts) -> dict[int, torch.Tensor]:
-        """Hidden-state index k -> (B, T, D): 0 the embedding output, k the output of block k-1."""
+    def _states(self, acts, hidden_states=None) -> dict[int, torch.Tensor]:
+        """Hidden-state index k -> (B, T, D): 0 the embedding output, k the output of block k-1; L from
+        transformers' ``hidden_states`` (after the final norm) when ``last_state`` is post_norm."""
         out = {k + 1: h for k, h in acts.get("block_out", {}).items()}
         if "embed" in acts and acts["embed"]:
             out[0] = acts["embed"][0]
+        if hidden_states is not None:
+            out[self.depth] = hidden_states[-1]
         return out
+
+    def _post_norm(self, layers) -> bool:
+        """Whether a forward must also return transformers' hidden states (index L after the final norm)."""
+        return self.last_state == "post_norm" and self.depth in layers
 
     # --- regulariser -----------------------------------------------------------------------------------------
     def reg_penalty(self, states: Mapping[int, torch.Tensor]) -> torch.Tensor:
@@ -122,7 +159,13 @@ class CurvatureLM(CausalLMModule):
         per = []
         for k in self.reg["layers"]:
             h = states[k].float()
-            vals = soft_angles(h, eps=self.reg["eps"]) if self.reg["form"] == "angle" else second_diff(h)
+            form = self.reg["form"]
+            if form == "angle":
+                vals = soft_angles(h, eps=self.reg["eps"])
+            elif form == "one_minus_cos":
+                vals = 1 - step_cosines(h, eps=self.reg["eps"])
+            else:
+                vals = second_diff(h)
             kappa = window_mean(vals, self.window)
             per.append(kappa[..., self.window - 1:].mean())
         return torch.stack(per).mean()
@@ -132,10 +175,11 @@ class CurvatureLM(CausalLMModule):
             return super().compute_loss(batch)
         blocks = [k - 1 for k in self.reg["layers"] if k > 0]
         sites = ("embed", "block_out") if 0 in self.reg["layers"] else ("block_out",)
+        post = self._post_norm(self.reg["layers"])
         with capture(self.model, sites, layers=blocks, detach=False) as acts:
             out = self.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                             labels=batch["labels"], use_cache=False)
-        penalty = self.reg_penalty(self._states(acts))
+                             labels=batch["labels"], use_cache=False, output_hidden_states=post)
+        penalty = self.reg_penalty(self._states(acts, out.hidden_states if post else None))
         scale = 1.0
         if self.reg["match_order"]:
             ce, pen = out.loss.detach().abs().clamp_min(1e-12), penalty.detach().abs().clamp_min(1e-12)
@@ -152,9 +196,11 @@ class CurvatureLM(CausalLMModule):
         """Per-token records of one batch (rows with a full window) and what the perturbation needs."""
         blocks = list(range(self.depth))
         sites = ("embed", "block_out") if self.include_embedding else ("block_out",)
+        post = self._post_norm(self.layers)
         with capture(self.model, sites, layers=blocks) as acts:
-            logits = self.model(input_ids=input_ids, use_cache=False).logits
-        states = self._states(acts)
+            out = self.model(input_ids=input_ids, use_cache=False, output_hidden_states=post)
+        logits = out.logits
+        states = self._states(acts, out.hidden_states if post else None)
         dt = self.analysis_dtype
         kappa = torch.stack([contextual_curvature(states[k].to(dt), self.window) for k in self.layers], -1)  # B,T,K
         logp = torch.log_softmax(logits.to(dt), -1)
@@ -198,12 +244,15 @@ class CurvatureLM(CausalLMModule):
                 break
             rows = min(B, left)
             ts = torch.randint(max(2, self.window - 1), T - 1, (rows,), generator=where).to(input_ids.device)
-            eff = perturbation_effects(self.model, input_ids[:rows], logits[:rows], h[:rows], k, ts, p["kind"],
-                                       float(p["scale"]), pcs=pcs, n_candidates=int(p["n_candidates"]), generator=gen)
-            for cond, vals in eff.items():
-                slot = r["perturb"].setdefault(cond, {m: [] for m in vals})
-                for m, v in vals.items():
-                    slot[m].append(v.cpu())
+            draws = gen.get_state()
+            for s in p["scale"]:  # the same random draws at every s: each s scales the same directions
+                gen.set_state(draws)
+                eff = perturbation_effects(self.model, input_ids[:rows], logits[:rows], h[:rows], k, ts, p["kind"],
+                                           s, pcs=pcs, n_candidates=int(p["n_candidates"]), generator=gen)
+                for cond, vals in eff.items():
+                    slot = r["perturb"].setdefault((s, cond), {m: [] for m in vals})
+                    for m, v in vals.items():
+                        slot[m].append(v.cpu())
             r["n_perturbed"] += rows
 
     def _gathered(self):
@@ -244,20 +293,37 @@ class CurvatureLM(CausalLMModule):
                     f"{stage}/loss": r["nll"] / max(1, r["count"])})
         out[f"{stage}/ppl"] = math.exp(out[f"{stage}/loss"])
         self.results[f"{stage}_layers"] = rows
-        for cond, vals in r["perturb"].items():
-            cat_p = {m: torch.cat(v) for m, v in vals.items()}
-            m, lo, hi = paired_ci(cat_p["dH"])
-            out.update({f"{stage}/perturb/{cond}/dH": m, f"{stage}/perturb/{cond}/dH_lo": lo,
-                        f"{stage}/perturb/{cond}/dH_hi": hi,
-                        f"{stage}/perturb/{cond}/dNLL": float(cat_p["dNLL"].mean()),
-                        f"{stage}/perturb/{cond}/dtheta": float(cat_p["dtheta"].mean()),
-                        f"{stage}/perturb/n": len(cat_p["dH"])})
-        for a in ALIGNED_CONDITIONS:  # paired on the same tokens: aligned minus each misaligned condition
-            for b in MISALIGNED_CONDITIONS:
-                if {a, b} <= set(r["perturb"]):
-                    m, lo, hi = paired_ci(torch.cat(r["perturb"][a]["dH"]) - torch.cat(r["perturb"][b]["dH"]))
-                    out.update({f"{stage}/perturb/{a}_minus_{b}/dH": m, f"{stage}/perturb/{a}_minus_{b}/dH_lo": lo,
-                                f"{stage}/perturb/{a}_minus_{b}/dH_hi": hi})
+        out.update(self.perturb_summary(r["perturb"], stage))
+        return out
+
+    @staticmethod
+    def perturb_summary(perturb: Mapping[tuple[float, str], Mapping[str, list]], stage: str) -> dict[str, float]:
+        """Per s: ΔH (95% paired interval), ΔNLL and Δθ of each condition and the paired differences aligned -
+        misaligned on the same tokens; per condition the slope ΔH/s at the smallest s."""
+        out = {}
+        dH = {key: torch.cat(vals["dH"]) for key, vals in perturb.items()}
+        for (s, cond), vals in perturb.items():
+            pre = f"{stage}/perturb/s{s:g}/{cond}"
+            m, lo, hi = paired_ci(dH[s, cond])
+            out.update({f"{pre}/dH": m, f"{pre}/dH_lo": lo, f"{pre}/dH_hi": hi,
+                        f"{pre}/dNLL": float(torch.cat(vals["dNLL"]).mean()),
+                        f"{pre}/dtheta": float(torch.cat(vals["dtheta"]).mean()),
+                        f"{stage}/perturb/n": len(dH[s, cond])})
+        scales = sorted({s for s, _ in perturb})
+        for s in scales:
+            for a in ALIGNED_CONDITIONS:  # paired on the same tokens: aligned minus each misaligned condition
+                for b in MISALIGNED_CONDITIONS:
+                    if (s, a) in dH and (s, b) in dH:
+                        m, lo, hi = paired_ci(dH[s, a] - dH[s, b])
+                        pre = f"{stage}/perturb/s{s:g}/{a}_minus_{b}"
+                        out.update({f"{pre}/dH": m, f"{pre}/dH_lo": lo, f"{pre}/dH_hi": hi})
+        if scales:
+            s0 = scales[0]
+            for (s, cond), d in dH.items():
+                if s == s0:
+                    m, lo, hi = paired_ci(d / s0)
+                    out.update({f"{stage}/perturb/{cond}/slope": m, f"{stage}/perturb/{cond}/slope_lo": lo,
+                                f"{stage}/perturb/{cond}/slope_hi": hi})
         return out
 
     def _log_summary(self, stage: str, step: int | None = None):

@@ -20,7 +20,7 @@ from benchmarks.schema import run_benchmark
 
 OFF = ["model.cgq.enabled=false", "model.iaaq.enabled=false"]
 METHODS = {
-    "rtn": ["model/quantizer=rtn", "model.calib=text", *OFF],
+    "rtn": ["model/quantizer=rtn", "model.quantizer.grid=minmax_group", "model.calib=text", *OFF],  # the baselines' grid
     "gptq_text": ["model.calib=text", *OFF],
     "awq_text": ["model/quantizer=awq", "model.calib=text", *OFF],
     "tmas": ["model.calib=tmas", *OFF],

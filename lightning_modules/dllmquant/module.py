@@ -5,15 +5,28 @@ IA-AQ values, W4A4 through fake quantization, and the diffusion-specific evaluat
 (``common/quantize/driver.py``) quantizes every block's linear weights at ``rate`` bits with the chosen quantizer
 (``model/quantizer=gptq|awq|rtn``: ``base``), reading ``batch["token_weight"]`` = CGQ's c_j when ``cgq.enabled``
 (else 1 on real tokens); (3) with ``a_bits`` < 16 every linear's input is fake-quantized per token
-(``fake_quant.quantize_model`` with w_bits 16, group −1; AWQ's 1/s reaches that quantizer as ``input_scale``);
+(``fake_quant.quantize_model`` with w_bits 16, group −1; AWQ's scales are folded into the model by ``AWQ.prepare``
+before (1), so that quantizer sees x/s; under ``search: layer`` s reaches it as ``input_scale``);
 (4) with ``v_bits`` < 16 V is quantized per token and head, at the searched α (IA-AQ) or α = 1 (plain absmax).
 
-Calibration (``calib``): ``text`` = the calibration problems' clean question + solution sequences (as peers
-calibrate); ``uniform`` = FP-sampler trajectory states drawn uniformly; ``tmas`` = the same states drawn by stage
-(``tmas.proportions``, ``tmas.stage_by``). ``n_calib`` sequences in all, from ``n_prompts`` problems.
+Calibration (``calib``): ``text`` = generic text, as the text baselines' releases calibrate (GPTQ: random
+``calib_seq_len``-token windows of WikiText-2 or C4; AWQ: of the Pile): ``n_calib`` windows of ``calib_text_files``
+(local .txt / .jsonl / .parquet, field ``calib_text_field``; the documents joined by blank lines, windows at seeded
+random offsets, as GPTQ's ``get_wikitext2``), never the evaluation problems (issue 40). Without ``calib_text_files``
+(tiny-mdlm, whose closed word vocabulary reads no WikiText) the stand-in is the clean question + solution
+sequences of calibration problems drawn apart from the test ones. ``uniform`` = FP-sampler trajectory states on
+calibration prompts drawn uniformly; ``tmas`` = the same states drawn by stage (``tmas.proportions``,
+``tmas.stage_by``). ``n_calib`` sequences in all, from ``n_prompts`` problems: ``calib_files`` (GSM8K's train split
+at paper scale) or, without it, a disjoint half of ``task_files`` (then only the other half is tested).
+
+Calibration batches never pad: the bidirectional core takes no attention mask (LLaDA attends to its EOS padding in
+training), so an EOS-padded row's real tokens would attend to its pads and shift its statistics. Sequences are
+batched by length instead (issue 40), so every row's statistics are those of the row alone.
 
 The task: arithmetic problems of the RL core (``datamodules.verifiable.arithmetic_problem``; calibration and test
-problems from disjoint seeds), rendered as the tiny-mdlm pretraining saw them (``question\\n`` then the solution).
+problems from disjoint seeds), rendered as the tiny-mdlm pretraining saw them (``question\\n`` then the solution),
+or GSM8K-style records from ``task_files``: ``n_test`` of them (null = every record: GSM8K's 1,319 at paper scale,
+whose claim is a > 10-point margin; 200 problems would leave a 3.5-point standard error).
 Test (all in ``on_test_epoch_end``; the datamodule's own test queries are ignored): ``test/accuracy`` (the sampled
 answer's number after "####" equals the reference's, quantized model) and ``test/accuracy_fp``; ``test/kl_bits/r<ratio>`` = KL(FP ‖ Q) in bits
 per masked position when a random share ``ratio`` of the answer is masked; ``test/kl_step/<i>`` along the FP
@@ -55,7 +68,10 @@ class DLLMQuantModule(QuantizeLMModule):
         n_test: test problems; n_traj: the first n_traj of them give the per-step KL (null = all);
             kl_ratios: mask ratios of the KL evaluation; seed: problems and masks.
         task_files / question_field / answer_field: local GSM8K-style records (jsonl/parquet; the answer ends in
-            "#### <number>") instead of the generated arithmetic; calibration and test draw disjoint records.
+            "#### <number>") instead of the generated arithmetic; ``n_test`` null = all of them.
+        calib_files: GSM8K-style records whose questions prompt the trajectory calibration (null: half of
+            task_files, disjoint from the tested half).
+        calib_text_files / calib_text_field / calib_seq_len: generic text for ``calib: text`` (WikiText-2 / C4).
     """
 
     def __init__(self, backbone: Mapping[str, Any], quantizer=None, rate: float = 4.0, a_bits: int = 4,
@@ -65,7 +81,8 @@ class DLLMQuantModule(QuantizeLMModule):
                  sampler: Mapping[str, Any] | None = None, n_test: int = 16,
                  kl_ratios: Sequence[float] = (0.9, 0.5, 0.1), seed: int = 0, stats_device: str | None = None,
                  n_traj: int | None = None, task_files: str | None = None, question_field: str = "question", answer_field: str = "answer",
-                 **kw):
+                 calib_files: str | None = None, calib_text_files: str | None = None, calib_text_field: str = "text",
+                 calib_seq_len: int = 2048, **kw):
         if not ((backbone.get("diffusion") or {}).get("mask_token_id") is not None):
             raise ValueError("dllmquant needs a masked-diffusion backbone: backbone.pretrained=tiny-mdlm or "
                              "backbone=llada_8b")
@@ -91,6 +108,10 @@ class DLLMQuantModule(QuantizeLMModule):
         self.clip_ratios: dict[int, float] = {}
         self.n_traj = n_traj
         self.task_files, self.question_field, self.answer_field = task_files, question_field, answer_field
+        self.calib_files, self.calib_text_files = calib_files, calib_text_files
+        self.calib_text_field, self.calib_seq_len = calib_text_field, int(calib_seq_len)
+        if n_test is None and not task_files:
+            raise ValueError("model.n_test=null means every record of model.task_files: set task_files or a count")
 
     def build_model(self):
         return build_diffusion_backbone(self.backbone_spec)
@@ -107,41 +128,55 @@ class DLLMQuantModule(QuantizeLMModule):
             raise ValueError("dllmquant needs a datamodule with the backbone's tokenizer (data=rule_induction)")
         return dm.tokenizer
 
-    def problems(self, split: str, n: int) -> list[dict]:
-        """``n`` arithmetic problems with prompt / solution ids (``split``: calib | test, disjoint seeds)."""
+    def _calib_from_task(self) -> bool:
+        """Whether calibration draws on ``task_files`` (then calibration and test take disjoint halves)."""
+        return self.calib_files is None and not (self.calib == "text" and self.calib_text_files)
+
+    def problems(self, split: str, n: int | None) -> list[dict]:
+        """``n`` problems (None: all) with prompt / solution ids (``split``: calib | test; disjoint seeds, files or
+        halves)."""
         from datamodules.verifiable import arithmetic_problem
 
         tok, rng = self._tokenizer(), random.Random(f"dllmquant/{self.seed}/{split}")
         enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-        if self.task_files:
-            from datamodules.common.loaders import load_local
-
-            ds = load_local(self.task_files, field=None)
-            order = list(range(len(ds)))
-            random.Random(f"dllmquant/{self.seed}").shuffle(order)
-            half = len(order) // 2
-            pick = (order[half:] if split == "calib" else order[:half])[:n]
-            records = [{"question": ds[i][self.question_field], "solution": ds[i][self.answer_field]} for i in pick]
+        if split == "calib" and self.calib_files:
+            records = self._records(self.calib_files, n)
+        elif self.task_files:
+            records = self._records(self.task_files, n, half=split if self._calib_from_task() else None)
         else:
             records = [arithmetic_problem(rng, 2, ("+", "-")) for _ in range(n)]
         out = []
         for p in records:
             sol = enc(p["solution"])
-            if len(sol) > self.sampler_cfg["gen_length"]:
+            if split == "test" and len(sol) > self.sampler_cfg["gen_length"]:  # calibration reads prompts alone
                 raise ValueError(f"model.sampler.gen_length={self.sampler_cfg['gen_length']} is shorter than a "
                                  f"solution ({len(sol)} tokens)")
             out.append({"prompt": enc(p["question"] + "\n"), "solution": sol})
         return out
 
-    def _pad(self, seqs: list[torch.Tensor], weights: list[torch.Tensor]) -> dict:
-        """Right-pad with EOS (as LLaDA pads); padded positions weigh 0."""
-        eos = self._tokenizer().eos_token_id
-        n = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), n), eos, dtype=torch.long)
-        tw = torch.zeros(len(seqs), n, dtype=torch.float64)
-        for i, (s, w) in enumerate(zip(seqs, weights)):
-            ids[i, :len(s)], tw[i, :len(s)] = s, w
-        return {"input_ids": ids, "token_weight": tw}
+    def _records(self, files: str, n: int | None, half: str | None = None) -> list[dict]:
+        """``n`` records (None: all) of ``files`` in a seeded order; ``half`` = calib | test keeps one half."""
+        from datamodules.common.loaders import load_local
+
+        ds = load_local(files, field=None)
+        order = list(range(len(ds)))
+        random.Random(f"dllmquant/{self.seed}").shuffle(order)
+        if half is not None:
+            order = order[len(order) // 2:] if half == "calib" else order[:len(order) // 2]
+        return [{"question": ds[i][self.question_field], "solution": ds[i][self.answer_field]} for i in order[:n]]
+
+    def text_windows(self, n: int) -> list[torch.Tensor]:
+        """``n`` windows of ``calib_seq_len`` tokens at seeded random offsets of the joined ``calib_text_files``."""
+        from datamodules.common.loaders import local_documents
+
+        ids = self._tokenizer()("\n\n".join(local_documents(self.calib_text_files, self.calib_text_field)),
+                                add_special_tokens=False)["input_ids"]
+        if len(ids) <= self.calib_seq_len:
+            raise ValueError(f"model.calib_text_files holds {len(ids)} tokens, fewer than model.calib_seq_len="
+                             f"{self.calib_seq_len}: give more text or a shorter window")
+        rng = random.Random(f"dllmquant/{self.calib_seed}/text")
+        starts = [rng.randint(0, len(ids) - self.calib_seq_len - 1) for _ in range(n)]
+        return [torch.tensor(ids[i:i + self.calib_seq_len]) for i in starts]
 
     def _answer_region(self, prob: dict) -> torch.Tensor:
         """prompt + solution + EOS up to gen_length: the clean sequence the sampler should produce."""
@@ -153,10 +188,12 @@ class DLLMQuantModule(QuantizeLMModule):
     def calibration_batches(self) -> list[dict]:
         dlm: MaskedDiffusionLM = self.model
         dlm.eval()
-        probs = self.problems("calib", self.n_prompts if self.calib != "text" else self.n_calib)
-        if self.calib == "text":
-            seqs = [self._answer_region(p) for p in probs]
+        if self.calib == "text" and self.calib_text_files:
+            seqs = self.text_windows(self.n_calib)
+        elif self.calib == "text":  # tiny-mdlm's stand-in: clean calibration problems (disjoint from the test ones)
+            seqs = [self._answer_region(p) for p in self.problems("calib", self.n_calib)]
         else:
+            probs = self.problems("calib", self.n_prompts)
             states = _tmas.record_trajectory(dlm, [p["prompt"] for p in probs], self.sampler_cfg["gen_length"],
                                             self.sampler_cfg["steps"], self.sampler_cfg["block_length"])
             if self.calib == "tmas":
@@ -174,8 +211,7 @@ class DLLMQuantModule(QuantizeLMModule):
                                                  None if logits is None else logits.cpu())[0])
             else:
                 weights.append(torch.ones(len(s), dtype=torch.float64))
-        bs = self.calib_batch_size
-        return [self._pad(seqs[i:i + bs], weights[i:i + bs]) for i in range(0, len(seqs), bs)]
+        return length_batches(seqs, weights, self.calib_batch_size)
 
     # --- quantization --------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -185,6 +221,9 @@ class DLLMQuantModule(QuantizeLMModule):
         t0 = time.time()
         dlm: MaskedDiffusionLM = self.model
         self._reference = [copy.deepcopy(dlm).eval().requires_grad_(False)]
+        on_device = [{k: v.to(self.device) for k, v in b.items()} for b in batches]
+        # AWQ's release scales (and clips) the model first: IA-AQ and the statistics then see the folded model
+        prepared = self.quantizer.prepare(dlm.model, on_device, self.rate) if hasattr(self.quantizer, "prepare") else {}
         if self.v_bits < 16:
             self.clip_ratios = {}
             if self.iaaq_cfg["enabled"]:
@@ -197,7 +236,7 @@ class DLLMQuantModule(QuantizeLMModule):
                 finally:
                     _iaaq.install(dlm.model, None)
                 self.clip_ratios = rec.ratios()
-        report = quantize_model(dlm.model, self.quantizer, [{k: v.to(self.device) for k, v in b.items()} for b in batches],
+        report = quantize_model(dlm.model, self.quantizer, on_device,
                                 self.rate, mode=self.mode, rate_control=self.rate_control, with_limit=self.with_limit,
                                 stats_device=self.stats_device, **self.extras)
         if self.a_bits < 16:
@@ -211,6 +250,7 @@ class DLLMQuantModule(QuantizeLMModule):
         self.results = {"quantization": {"method": self.method, "calib": self.calib, "cgq": self.cgq_cfg["enabled"],
                                          "iaaq": self.iaaq_cfg["enabled"], "w_bits": self.rate, "a_bits": self.a_bits,
                                          "v_bits": self.v_bits, "clip_ratios": self.clip_ratios, **summary,
+                                         "awq": prepared,
                                          "packed_bytes": summary["bits"] * summary["n_weights"] / 8,
                                          "quant_time_s": time.time() - t0},
                         "layers": report["layers"]}
@@ -293,6 +333,22 @@ class DLLMQuantModule(QuantizeLMModule):
 
         plot("dllmquant/kl_per_step", {self.method: ([float(i) for i in steps], curve)}, self.loggers,
              xlabel="denoising step", ylabel="KL(FP ‖ Q), bits per masked token")
+
+
+def length_batches(seqs: Sequence[torch.Tensor], weights: Sequence[torch.Tensor], batch_size: int) -> list[dict]:
+    """Batches of at most ``batch_size`` sequences of one length each ({input_ids, token_weight}): no padding, so no
+    real token attends to a pad under the mask-free bidirectional attention."""
+    by_len: dict[int, list[int]] = {}
+    for i, s in enumerate(seqs):
+        by_len.setdefault(len(s), []).append(i)
+    out = []
+    for n in sorted(by_len):
+        idx = by_len[n]
+        for j in range(0, len(idx), batch_size):
+            part = idx[j:j + batch_size]
+            out.append({"input_ids": torch.stack([seqs[i] for i in part]).long(),
+                        "token_weight": torch.stack([weights[i] for i in part]).double()})
+    return out
 
 
 def final_answer(text: str) -> str | None:

@@ -8,7 +8,9 @@ One ``training_step`` on a batch of (instruction, input, gold output) triples:
   embedding | random). Rows are left-padded, so EOS and the look-ahead slots sit at the same columns in every row.
 - **Teacher**: the frozen start weights on ``[prompt, EOS, gold output cut to T tokens]`` (right-padded after EOS).
   ``finetune: lora``: the same model with its adapters disabled (no copy); ``full``: a frozen copy kept outside the
-  module tree (so it is neither optimised nor checkpointed).
+  module tree (so it is neither optimised nor checkpointed), which also embeds the teacher's tokens: under full
+  fine-tuning the student's embedding table trains, and embedding with it would move the distillation target
+  (issue 40).
 - **Distillation** at ``distill_layer``: ``mse`` on hidden states | ``kl`` (teacher ‖ student LM-head
   distributions; last layer only) | ``ce`` (the gold token the aligned teacher state predicts) | ``none``.
   ``align``: ``same_position`` (LA_t ↔ the teacher's state on gold token t) | ``shifted`` (LA_t ↔ the state that
@@ -18,6 +20,16 @@ One ``training_step`` on a batch of (instruction, input, gold output) triples:
   ``student_output`` (the student on the gold output alone + EOS); other examples are negatives.
 - Loss = L_distill + ``lambda_con`` · L_con.
 
+``objective: inbedder`` is the main table's baseline (the paper's "InBedder re-implementation", 59.90 against
+InstEmb's 67.08), written from InBedder's release (zhang-yu-wei/InBedder: Alpaca-style SFT on its abstractive-QA
+set, embeddings from ``CausalLMEncoder``): the prompt is the template alone (no EOS: the model answers after
+"### Response:"), the loss is the cross-entropy of the gold output + EOS given it (prompt tokens unscored), and the
+embedding is the last layer's state on the prompt's last token (``pooling: last``; the release's recommended
+``fst_gen_layer_<last>``: the state that generates the first answer token, so one prefill, no decoding). No
+teacher, look-ahead or contrast: it needs ``n_lookahead: 0``, ``distill: none``, ``lambda_con: 0``
+(``conf/model/instemb_inbedder.yaml`` sets them; the release fine-tunes in full, ``finetune: full``, and then no
+teacher copy is kept).
+
 Embedding (``encode(texts, instructions)``: one prefill per batch, no decoding) by ``pooling``: ``daap``
 (:func:`lightning_modules.common.embedding.daap` of the EOS state and the mean look-ahead state) | ``last`` (EOS
 state) | ``lookahead`` (mean look-ahead state) | ``mean`` (all kept positions). Validation / test embed each
@@ -26,6 +38,7 @@ k-means V-measure against the asked attribute, per instruction and averaged.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any, Callable, Mapping, Sequence
 
@@ -40,6 +53,7 @@ ALIGNS = ("same_position", "shifted")
 POOLINGS = ("daap", "last", "lookahead", "mean")
 VIEWS = ("s1", "s2", "teacher_input", "student_output")
 FINETUNES = ("lora", "full")
+OBJECTIVES = ("instemb", "inbedder")
 INITS = ("eos", "random")
 LORA_DEFAULTS = {"r": 16, "alpha": 32, "dropout": 0.1, "targets": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 EVAL_DEFAULTS = {"k": 10, "batch_size": 64, "seed": 0}
@@ -86,7 +100,7 @@ class InstEmbModule(CausalLMModule):
                  distill_layer: int = -1, align: str = "same_position", views: Sequence[str] = VIEWS,
                  lambda_con: float = 1.0, temperature: float = 0.05, pooling: str = "daap",
                  daap_normalize: str = "each", template: str | None = None, max_length: int = 512,
-                 warmup: Mapping | None = None, eval: Mapping | None = None):
+                 warmup: Mapping | None = None, eval: Mapping | None = None, objective: str = "instemb"):
         super().__init__(backbone, optimizer, scheduler, weight_decay)
         from lightning_modules.instemb.data import INBEDDER
         from lightning_modules.common.embedding import DAAP_NORMALIZE
@@ -95,15 +109,20 @@ class InstEmbModule(CausalLMModule):
         for name, value, allowed in [("model.distill", distill, DISTILLS), ("model.align", align, ALIGNS),
                                      ("model.pooling", pooling, POOLINGS), ("model.finetune", finetune, FINETUNES),
                                      ("model.lookahead_init", lookahead_init, INITS),
+                                     ("model.objective", objective, OBJECTIVES),
                                      ("model.daap_normalize", daap_normalize, DAAP_NORMALIZE)]:
             if value not in allowed:
                 raise ValueError(f"{name}={value!r}: choose one of {', '.join(allowed)}")
         for v in views:
             if v not in VIEWS:
                 raise ValueError(f"model.views has {v!r}: choose from {', '.join(VIEWS)}")
+        if objective == "inbedder" and (n_lookahead or distill != "none" or lambda_con):
+            raise ValueError("model.objective=inbedder trains the answer cross-entropy alone: set model.n_lookahead=0, "
+                             "model.distill=none, model.lambda_con=0 (model=instemb_inbedder does)")
+        self.objective = objective
         self.lora = {**LORA_DEFAULTS, **_plain(lora or {})} if finetune == "lora" else None
         lora_dropout = float(self.lora["dropout"]) if self.lora else 0.0
-        if "s2" in views and lora_dropout == 0 and attention_dropout == 0:
+        if lambda_con and "s2" in views and lora_dropout == 0 and attention_dropout == 0:
             raise ValueError("model.views has s2 but nothing drops out (LLaMA's only dropout is attention_dropout, 0 "
                              "here): set model.lora.dropout or model.attention_dropout > 0, or drop s2 from views")
         if distill == "kl" and distill_layer != -1:
@@ -157,7 +176,8 @@ class InstEmbModule(CausalLMModule):
                 if hasattr(m, "attention_dropout") and isinstance(getattr(m, "attention_dropout"), float):
                     m.attention_dropout = self.attention_dropout
         if self.finetune == "full":
-            self._teacher = [copy.deepcopy(model).eval().requires_grad_(False)]
+            if self.objective == "instemb":  # InBedder has no teacher
+                self._teacher = [copy.deepcopy(model).eval().requires_grad_(False)]
         else:
             from lightning_modules.common.lora import apply_lora
 
@@ -190,11 +210,13 @@ class InstEmbModule(CausalLMModule):
 
     # --- inputs ----------------------------------------------------------------------------------
     def prompt_ids(self, instruction: str, text: str) -> list[int]:
-        """The templated prompt's tokens + EOS (the prompt cut from the left to fit ``max_length``)."""
+        """The templated prompt's tokens + EOS (InBedder: no EOS), cut from the left to fit ``max_length``."""
         from lightning_modules.instemb.data import prompt_text
 
         tok = self.get_tokenizer()
         ids = tok(prompt_text(instruction, text, self.template), add_special_tokens=False)["input_ids"]
+        if self.objective == "inbedder":
+            return ids[-self.max_length:]
         return ids[-(self.max_length - 1):] + [tok.eos_token_id]
 
     def _left(self, rows: list[list[int]]):
@@ -204,9 +226,15 @@ class InstEmbModule(CausalLMModule):
         mask = torch.tensor([[0] * (w - len(r)) + [1] * len(r) for r in rows], device=self.device)
         return ids, mask
 
+    def teacher_embeddings(self) -> torch.nn.Module:
+        """The teacher's (frozen) token embeddings: the copy's under full fine-tuning, else the base model's."""
+        return (self._teacher[0].to(self.device) if self.finetune == "full" else self.model).get_input_embeddings()
+
     def _run(self, ids, mask, tail=None, tail_mask=None, teacher: bool = False):
-        """Forward on embedded ``ids`` (+ ``tail`` (N, T, d) vectors) with positions from the mask."""
-        emb = self.model.get_input_embeddings()(ids)
+        """Forward on embedded ``ids`` (+ ``tail`` (N, T, d) vectors) with positions from the mask; the teacher
+        embeds with its own frozen table."""
+        with torch.no_grad() if teacher else contextlib.nullcontext():
+            emb = (self.teacher_embeddings() if teacher else self.model.get_input_embeddings())(ids)
         if tail is not None:
             emb = torch.cat([emb, tail.to(emb.dtype)], 1)
             mask = torch.cat([mask, tail_mask], 1)
@@ -231,7 +259,7 @@ class InstEmbModule(CausalLMModule):
         gids = torch.tensor([r + [pad] * (self.T - len(r)) for r in g], device=self.device)
         gmask = torch.tensor([[1] * len(r) + [0] * (self.T - len(r)) for r in g], device=self.device)
         with torch.no_grad():
-            tail = self.model.get_input_embeddings()(gids)
+            tail = self.teacher_embeddings()(gids)
         out, _ = self._run(ids, mask, tail, gmask, teacher=True)
         return out, ids.shape[1], gids, gmask
 
@@ -276,8 +304,27 @@ class InstEmbModule(CausalLMModule):
         labels = torch.arange(n, device=self.device).repeat(len(z))
         return supcon(torch.cat(z), labels, self.temperature)
 
+    def answer_loss(self, rows: list[list[int]], gold: list[list[int]]) -> torch.Tensor:
+        """InBedder's SFT loss: mean cross-entropy over the gold output + EOS tokens given the prompt (left-padded
+        rows [prompt, output, EOS]; the prompt is cut from the left so the whole row fits ``max_length``)."""
+        eos = self.get_tokenizer().eos_token_id
+        answers = [g[:self.max_length - 1] + [eos] for g in gold]
+        full = [r[max(0, len(r) - (self.max_length - len(a))):] + a for r, a in zip(rows, answers)]
+        ids, mask = self._left(full)
+        out, _ = self._run(ids, mask)
+        target = torch.full_like(ids, -100)
+        for i, a in enumerate(answers):
+            target[i, ids.shape[1] - len(a):] = ids[i, ids.shape[1] - len(a):]
+        return F.cross_entropy(out.logits[:, :-1].float().flatten(0, 1), target[:, 1:].flatten())
+
     def compute_loss(self, batch: list[dict]) -> torch.Tensor:
         tok = self.get_tokenizer()
+        if self.objective == "inbedder":
+            rows = [self.prompt_ids(b["instruction"], b["input"]) for b in batch]
+            loss = self.answer_loss(rows, [tok(b["output"], add_special_tokens=False)["input_ids"] for b in batch])
+            if self._trainer is not None:
+                self.log("train/answer_ce", float(loss.detach()), on_step=True, on_epoch=False, batch_size=len(batch))
+            return loss
         rows = [self.prompt_ids(b["instruction"], b["input"]) for b in batch]
         gold = [tok(b["output"], add_special_tokens=False)["input_ids"] for b in batch]
         s_out, W = self.student(rows)

@@ -2,8 +2,12 @@
 
 Standard GPTQ: H = Σ + μI with μ = percdamp·mean(diag Σ) (dead inputs, Σ_jj = 0, get H_jj = 1 and zero weights),
 the upper Cholesky factor U of H⁻¹, columns in natural order (no act-order by default), blocks of 128 with lazy
-batch updates, error feedback w_{>j} −= (w_j − q_j)/U_jj · U_{j,>j}. The grid is the per-row symmetric absmax grid
-of ``rtn.py`` computed once from the original rows (no groups).
+batch updates, error feedback w_{>j} −= (w_j − q_j)/U_jj · U_{j,>j}. ``grid`` (``rtn.py``): ``absmax_row`` (ours, the
+class default, which the WaterSIC baselines use) is the per-row symmetric absmax grid computed once from the original
+rows (no groups); ``minmax_group`` (the IST-DASLab release with ``--groupsize``; dllmquant's default) is the
+asymmetric zero-point grid of ``group_size`` columns, each group's step and zero found from the already
+error-compensated weights when its first column is reached (the release's ``find_params`` on ``W[:, j:j+groupsize]``
+of the block-updated matrix; with blocks of 128 and groups of 128 a group starts with its block).
 
 Variants (switches):
 - ``extra_bit=False`` (GPTQ): 2^R levels, rate on the log-cardinality axis (``accounting='cardinality'``).
@@ -24,8 +28,8 @@ import torch
 
 from lightning_modules.common.quantize.base import LayerStats, QuantResult, Quantizer
 from lightning_modules.common.quantize.rate import secant_search
-from lightning_modules.common.quantize.rtn import (absmax_scale, grid_rate_report, levels_for_rate, round_to_grid,
-                                                   symmetric_grid)
+from lightning_modules.common.quantize.rtn import (absmax_scale, affine_params, affine_result, affine_round, check_grid,
+                                                   grid_rate_report, levels_for_rate, round_to_grid, symmetric_grid)
 
 
 def gptq_scale(weight: torch.Tensor, sigma: torch.Tensor, levels: int) -> torch.Tensor:
@@ -36,16 +40,20 @@ def gptq_scale(weight: torch.Tensor, sigma: torch.Tensor, levels: int) -> torch.
 
 def gptq_quantize(weight: torch.Tensor, sigma: torch.Tensor, levels: int, percdamp: float = 0.01,
                   blocksize: int = 128, error_feedback: bool = True, act_order: bool = False,
-                  scale: torch.Tensor | None = None):
+                  scale: torch.Tensor | None = None, group_size: int | None = None):
     """(Ŵ, codes) of GPTQ on the ``levels``-point per-row absmax grid (or the given per-row step ``scale``);
-    float64 throughout."""
+    with ``group_size`` (−1 = one group a row) on the ``minmax_group`` grid instead, returning (Ŵ, codes, step,
+    zero) with the a × groups steps and zero points. float64 throughout."""
     w = weight.double().clone()
     h = sigma.double().clone()
     a, n = w.shape
     dead = torch.diagonal(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    scale = gptq_scale(weight, sigma, levels) if scale is None else scale
+    affine = group_size is not None
+    scale = None if affine else gptq_scale(weight, sigma, levels) if scale is None else scale
+    maxq, steps, zeros = levels - 1, [], []
+    gsize = n if group_size == -1 else group_size
     perm = None
     if act_order:
         perm = torch.argsort(torch.diagonal(h), descending=True)
@@ -61,7 +69,13 @@ def gptq_quantize(weight: torch.Tensor, sigma: torch.Tensor, levels: int, percda
         hinv1 = hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = w1[:, i]
-            q, code = round_to_grid(col.unsqueeze(1), scale, levels)
+            if affine and (i1 + i) % gsize == 0:  # the release's find_params on the block-updated matrix
+                step, zero = affine_params(w[:, i1 + i:i1 + i + gsize], maxq, include_zero=True)
+                steps.append(step), zeros.append(zero)
+            if affine:
+                q, code = affine_round(col.unsqueeze(1), step, zero, maxq)
+            else:
+                q, code = round_to_grid(col.unsqueeze(1), scale, levels)
             q = q.squeeze(1)
             q_all[:, i1 + i] = q
             codes[:, i1 + i] = code.squeeze(1).to(torch.int32)
@@ -74,6 +88,8 @@ def gptq_quantize(weight: torch.Tensor, sigma: torch.Tensor, levels: int, percda
     if perm is not None:
         inv = torch.argsort(perm)
         q_all, codes = q_all[:, inv], codes[:, inv]
+    if affine:  # with act_order the groups run over the permuted columns (as the release without static_groups)
+        return q_all, codes, torch.cat(steps, 1), torch.cat(zeros, 1)
     return q_all, codes
 
 
@@ -85,7 +101,12 @@ class GPTQ(Quantizer):
 
     def __init__(self, percdamp: float = 0.01, blocksize: int = 128, extra_bit: bool = False,
                  error_feedback: bool = True, act_order: bool = False, accounting: str | None = None,
-                 target_rate: bool = False, tol: float = 0.005, max_evals: int = 8):
+                 target_rate: bool = False, tol: float = 0.005, max_evals: int = 8, grid: str = "absmax_row",
+                 group_size: int = 128):
+        check_grid(grid, group_size)
+        if grid == "minmax_group" and (extra_bit or target_rate):
+            raise ValueError("gptq grid=minmax_group is the fixed 2^R-code grid: it takes no extra_bit / target_rate")
+        self.grid, self.group_size = grid, group_size
         self.percdamp, self.blocksize = percdamp, blocksize
         self.extra_bit, self.error_feedback, self.act_order = extra_bit, error_feedback, act_order
         self.accounting = accounting or ("pooled" if extra_bit else "cardinality")
@@ -99,12 +120,15 @@ class GPTQ(Quantizer):
         if self.target_rate:
             return self._rate_targeted(weight, stats, rate)
         levels = levels_for_rate(rate, extra_bit=self.extra_bit)
+        if self.grid == "minmax_group":
+            out = gptq_quantize(weight, stats.sigma, levels, self.percdamp, self.blocksize, self.error_feedback,
+                                self.act_order, group_size=self.group_size)
+            return affine_result(*out, levels, self.accounting)
         scale = gptq_scale(weight, stats.sigma, levels)
         w_hat, codes = gptq_quantize(weight, stats.sigma, levels, self.percdamp, self.blocksize,
                                      self.error_feedback, self.act_order, scale=scale)
         return QuantResult(w_hat, codes, grid_rate_report(codes, levels, self.accounting),
                            {"levels": levels, "nominal_bits": math.log2(levels), "grid": symmetric_grid(scale, levels)})
-
 
     def _rate_targeted(self, weight, stats, rate):
         absmax = weight.double().abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
