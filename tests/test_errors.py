@@ -85,6 +85,8 @@ CASES = {
     "missing_ckpt_path": (["ckpt_path=/no/such.ckpt"], "or ckpt_path=last to resume"),
     "seed_not_an_integer": (["seed=abc"], "pass one, e.g. seed=1"),  # a typo in a swept value
     "token_limit_not_a_number": (["max_in_memory_tokens=lots"], "pass a number of tokens (e.g. 1e9)"),
+    # a constructor's ValueError that names a config value (the project's convention, hundreds of sites)
+    "bad_value_in_a_constructor": (["data.val_fraction=0.8", "data.test_fraction=0.5"], "change data.val_fraction"),
     "no_data_files": (["data.source=files", "data.files={tmp}/none/*.txt"], "set data.files=<path, glob or folder>"),
     "tiny_model_not_built": (["experiment=hici_tiny"], "run `python -m datamodules.common.tiny_models build tiny-lm`"),
     "no_hub": (["experiment=grpo_qwen25_7b", "trainer=cpu"], "pass backbone.pretrained=<local dir>"),
@@ -147,6 +149,12 @@ def test_user_errors_are_told_from_bugs(monkeypatch):
     except KeyError as err:
         assert user_error(err) is None
     assert user_error(RuntimeError("bug")) is None
+    # a ValueError naming a config value is the config's; one that names none (or a subclass) stays a bug
+    told = user_error(ValueError("model.loss_type='x': choose one of ppo, dapo"))
+    assert isinstance(told, ConfigError) and str(told).endswith("— change model.loss_type (in the experiment's config "
+                                                                 "or on the command line)")
+    assert user_error(ValueError("shapes (3,) and (4,) do not align")) is None
+    assert user_error(ValueError("x=1 is odd")) is None  # not a dotted config key
     # a missing module that an extra of pyproject.toml provides names its pip line; a project module is a bug
     monkeypatch.setattr(errors, "_installed", lambda name: False)
     assert "pip install -c constraints.txt -e '.[instemb]'" in str(user_error(ModuleNotFoundError(name="mteb")))

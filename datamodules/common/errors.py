@@ -2,7 +2,10 @@
 
 A :class:`UserError` says in one line what is wrong and the fix (``<what> — <the fix>``): ``run.py`` prints it as
 ``error: <that line>`` on stderr and exits non-zero without a traceback (``HYDRA_FULL_ERROR=1`` shows the trace),
-and a failed multirun job records it in its ``metrics.json``. Any other exception is a bug and keeps its traceback.
+and a failed multirun job records it in its ``metrics.json``. A ``ValueError`` whose message opens with a config
+assignment (``model.loss_type='x': choose …``, the project's way of naming a bad value; hundreds of constructors raise
+them) is a user error too: it is told as that line plus the key to change. Any other exception is a bug and keeps
+its traceback.
 
 This is the lowest project layer above ``callbacks/kernels``: everything that raises may import it.
 """
@@ -43,6 +46,17 @@ def one_line(text) -> str:
     return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
 
 
+# "data.answer='x': choose …", "model.reward.compare=foo …": a dotted config key, '=', a value
+_CONFIG_VALUE = re.compile(r"^\+?([a-z_][\w]*(?:\.[\w]+)+)=\S")
+
+
+def config_value_error(err: BaseException) -> ConfigError | None:
+    """A constructor's ``ValueError`` about one config value, as a :class:`ConfigError` naming the key to change."""
+    if type(err) is not ValueError or not (m := _CONFIG_VALUE.match(str(err))):
+        return None
+    return ConfigError(f"{one_line(err)} — change {m.group(1)} (in the experiment's config or on the command line)")
+
+
 def user_error(err: BaseException | None) -> UserError | None:
     """The user-fixable error behind ``err``: itself or what it was raised from (Hydra's ``InstantiationException``
     wraps an error raised in a constructor), or a missing module one of the project's dependency lists provides.
@@ -52,6 +66,8 @@ def user_error(err: BaseException | None) -> UserError | None:
         seen.add(id(err))
         if isinstance(err, UserError):
             return err
+        if (value := config_value_error(err)) is not None:
+            return value
         if isinstance(err, ModuleNotFoundError) and not _installed(err.name) and (extra := missing_extra(err)):
             return extra
         err = err.__cause__  # an explicit ``raise ... from``; one raised while handling another is a bug of its own
