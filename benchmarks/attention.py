@@ -34,6 +34,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -184,6 +185,24 @@ def rows(lengths=LENGTHS, names=None, impls=IMPLS, repeats: int = 2, threads: in
     return out
 
 
+def markdown(doc: dict) -> list[str]:
+    """The report's section from a written results file (``--out``): per case, implementation and N the peak memory
+    and time, and both relative to causal SDPA at that N (the yardstick)."""
+    lines = ["## Attention at length, CPU", "",
+             f"One attention layer (8 heads x 64, fp32), forward + backward, each cell a fresh process; `sdpa_dense` is "
+             f"the dense-mask path, `auto` the default (block-wise on CPU), `sdpa` plain causal SDPA. Measured at "
+             f"`{doc['commit']}` ({doc['date']}, {doc['machine']['cores']} cores, {doc['threads']} threads per cell):", "",
+             f"    {doc['command']}", "",
+             "| case | impl | N | peak MiB | ms | peak / causal | time / causal |", "|---|---|---:|---:|---:|---:|---:|"]
+    for r in doc["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['case']} | {r['impl']} | {r['n']} | — | — | — | {r['error'][:60]} |")
+        else:
+            lines.append(f"| {r['case']} | {r['impl']} | {r['n']} | {r['peak_MiB']:.1f} | {r['ms']:.1f} | "
+                         f"{r.get('mem_x', 1.0):.2f} | {r.get('time_x', 1.0):.2f} |")
+    return lines
+
+
 def render(table: list[dict]) -> str:
     lines = [f"{'case':14s} {'impl':10s} {'N':>6s} {'peak MiB':>9s} {'ms':>9s} {'mem x':>6s} {'time x':>6s}"]
     for r in table:
@@ -227,7 +246,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--timeout", type=float, default=None, help="seconds per cell")
     p.add_argument("--check", action="store_true", help="CUDA: FlexAttention forward+backward against block-wise")
-    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    p.add_argument("--out", default=None, help="the results file (default benchmarks/results/attention/<cpu|cuda>.json; "
+                                             "the report renders cpu.json)")
     p.add_argument("--cell", nargs=3, metavar=("CASE", "N", "IMPL"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.cell:
@@ -249,9 +269,16 @@ def main(argv=None) -> int:
     table = rows(lengths, args.cases, args.impls, args.repeats, args.threads, args.timeout,
                  log=lambda r: print(json.dumps(r), flush=True))
     print(render(table))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(table, f, indent=1)
+    from benchmarks.schema import ROOT, _commit, machine
+
+    out = Path(args.out or ROOT / "benchmarks" / "results" / "attention" / f"{'cuda' if cuda else 'cpu'}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"command": "python -m benchmarks.attention " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "commit": _commit(), "date": time.strftime("%Y-%m-%d"), "machine": machine(), "threads": args.threads,
+           "rows": table}
+    with open(out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(f"wrote {out}")
     return 0
 
 

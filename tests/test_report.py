@@ -208,3 +208,20 @@ def test_run_one_records_a_failing_benchmark(tmp_path):
 
     rec = run_all.run_one("no_such_paper", timeout=60, log_dir=tmp_path)
     assert rec["status"] == "failed" and rec["rc"] == 2 and "no benchmark for 'no_such_paper'" in rec["tail"][-1]
+
+
+def test_report_renders_the_attention_scaling_table(tmp_path):
+    """``python -m benchmarks.attention`` writes results/attention/cpu.json; the report shows it with its command,
+    each row's ratios to causal SDPA and a failed cell's error."""
+    doc = _doc(tmp_path)
+    att = {"command": "python -m benchmarks.attention --threads 2", "commit": "1a2b3c4", "date": "2026-12-02",
+           "machine": {"cores": 2}, "threads": 2,
+           "rows": [{"case": "causal", "impl": "sdpa", "n": 4096, "peak_MiB": 40.0, "ms": 20.0},
+                    {"case": "hici_shift_g", "impl": "auto", "n": 4096, "peak_MiB": 60.0, "ms": 30.0, "mem_x": 1.5,
+                     "time_x": 1.5},
+                    {"case": "hici_shift_g", "impl": "sdpa_dense", "n": 4096, "error": "killed: out of memory"}]}
+    md = render([doc], attention=att)
+    assert "## Attention at length, CPU" in md and "    python -m benchmarks.attention --threads 2" in md
+    assert "| hici_shift_g | auto | 4096 | 60.0 | 30.0 | 1.50 | 1.50 |" in md
+    assert "| hici_shift_g | sdpa_dense | 4096 | — | — | — | killed: out of memory |" in md
+    assert "Attention at length" not in render([doc])
