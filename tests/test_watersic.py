@@ -84,6 +84,39 @@ def test_rate_targeting_lands_on_the_whole_layer(powers, min_rows):
         assert abs(h - 2.2) < 0.005 and len(evals) <= 6 and evals[0][0] == (2.2 if start is None else start)
 
 
+def test_release_search_switches_reproduce_the_released_search():
+    """search_min_rows=0, search_column_powers=sample, full_layer_search=false: the secant on int(0.1·a) rows (a = 2047:
+    204, not 205) with the sampled rows' column powers, then one whole-layer pass at its r, nothing more. The spec's
+    steps composed by hand give the same codes."""
+    from lightning_modules.common.quantize.rate import entropy_bits
+
+    a, n, rate = 2047, 48, 2.5
+    w = torch.randn(a, n, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    sigma = _spread_sigma(n, seed=6)
+    q = WaterSIC(rescalers=False, search_min_rows=0, search_column_powers="sample", full_layer_search=False, seed=7)
+    res = q.quantize(w, LayerStats(sigma), rate)
+    assert res.info["search_rows"] == 204 and "secant_full" not in res.info
+    # by hand: the same 204 rows, s_j from them, fp32 search, then one fp64 pass over the whole layer at that r
+    chol = torch.linalg.cholesky(sigma + 1e-4 * float(torch.diagonal(sigma).mean()) * torch.eye(n, dtype=torch.float64))
+    target = w @ chol + 0.0  # plain mode: (WΣ + μW) L^{-T} = W L
+    rows = torch.randperm(a, generator=torch.Generator().manual_seed(7))[:204]
+    h_star = entropy_target(rate, a, n, n)
+
+    def sample_entropy(r):
+        c, al = watersic_step(w[rows], chol, r)
+        return entropy_bits(sic(target[rows].float(), chol.float(), c, al.float())[0])
+
+    r, _, evals = secant_search(sample_entropy, h_star)
+    c, al = watersic_step(w, chol, r)
+    z = sic(target, chol, c, al)[0]
+    assert res.info["r"] == r and res.info["secant"] == evals
+    assert torch.equal(res.codes, z.to(torch.int64))
+    assert res.info["landing"] == pytest.approx(entropy_bits(z) - h_star)
+    # ours on the same layer: 204 rows too (at least 128), and the whole layer's rate is within the tolerance
+    ours = WaterSIC(rescalers=False, seed=7).quantize(w, LayerStats(sigma), rate)
+    assert ours.info["search_rows"] == 204 and abs(ours.info["landing"]) < 0.005
+
+
 def test_entropy_target_inverts_the_accounting():
     # no dead columns: H* = R − 16/a − 16/n either way
     for inflate in (True, False):
