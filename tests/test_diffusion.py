@@ -8,7 +8,7 @@ import torch
 
 from lightning_modules.common.diffusion import (MaskedDiffusionLM, add_gumbel_noise, build_diffusion_backbone,
                                                 forward_process, llada_key_map, make_bidirectional,
-                                                num_transfer_tokens, weighted_masked_ce)
+                                                num_transfer_tokens, random_length, weighted_masked_ce)
 
 MASK = 3
 
@@ -105,6 +105,75 @@ def test_module_loss_is_the_forward_process_then_the_weighted_ce():
     loss = mdlm.loss(ids, generator=torch.Generator().manual_seed(5))
     noisy, masked, p = forward_process(ids, MASK, generator=torch.Generator().manual_seed(5))
     torch.testing.assert_close(loss, weighted_masked_ce(mdlm.logits(noisy), ids, masked, p))
+
+
+class ShapeRecorder(MaskedDiffusionLM):
+    """The toy model, remembering the length of every sequence it is shown."""
+
+    def logits(self, input_ids=None, inputs_embeds=None):
+        self.seen.append(input_ids.shape[1])
+        return super().logits(input_ids, inputs_embeds)
+
+
+def test_random_length_cuts_every_batch_at_prob_1_and_scores_only_the_kept_tokens():
+    """LLaDA's pretraining cut at probability 1: the model sees [1, L] tokens, the loss is the forward process and the
+    1/p-weighted CE over the kept tokens alone (divided by B·kept), and the cut tokens change nothing."""
+    mdlm = ShapeRecorder(tiny_llama(), MASK)
+    mdlm.seen = []
+    ids, kept = torch.randint(4, 40, (3, 12)), []
+    for seed in range(12):
+        loss = mdlm.loss(ids, generator=torch.Generator().manual_seed(seed), random_length_prob=1.0)
+        g = torch.Generator().manual_seed(seed)
+        n = random_length(12, 1.0, g)
+        assert 1 <= n <= 12 and mdlm.seen[-1] == n
+        kept.append(n)
+        noisy, masked, p = forward_process(ids[:, :n], MASK, generator=g)
+        torch.testing.assert_close(loss, weighted_masked_ce(mdlm.logits(noisy), ids[:, :n], masked, p))
+        if n < 12:  # what lies beyond the cut is neither seen nor scored
+            other = ids.clone()
+            other[:, n:] = (other[:, n:] - 4 + 7) % 36 + 4
+            again = mdlm.loss(other, generator=torch.Generator().manual_seed(seed), random_length_prob=1.0)
+            assert torch.equal(loss, again)
+    assert min(kept) < 12  # the loop saw real cuts, not only full lengths
+    # the SFT prompt mask is cut with the ids
+    prompt = torch.zeros_like(ids, dtype=torch.bool)
+    prompt[:, :4] = True
+    loss = mdlm.loss(ids, prompt, generator=torch.Generator().manual_seed(3), random_length_prob=1.0)
+    g = torch.Generator().manual_seed(3)
+    n = random_length(12, 1.0, g)
+    noisy, masked, p = forward_process(ids[:, :n], MASK, prompt_mask=prompt[:, :n], generator=g)
+    torch.testing.assert_close(loss, weighted_masked_ce(mdlm.logits(noisy), ids[:, :n], masked, p, prompt[:, :n]))
+
+
+def test_random_length_is_uniform_on_1_to_L():
+    g = torch.Generator().manual_seed(0)
+    draws = torch.tensor([random_length(8, 1.0, g) for _ in range(8000)])
+    counts = torch.bincount(draws, minlength=9)
+    assert counts[0] == 0 and counts[1:].sum() == 8000
+    assert (counts[1:] - 1000).abs().max() <= 150  # s.e. of a count 29.6: 5 s.e.
+
+
+def test_random_length_prob_0_is_bit_identical_to_no_cut_and_draws_nothing():
+    mdlm = MaskedDiffusionLM(tiny_llama(), MASK)
+    ids = torch.randint(4, 40, (3, 10))
+    torch.manual_seed(7)
+    loss = mdlm.loss(ids, random_length_prob=0.0)
+    after = torch.rand(1)
+    torch.manual_seed(7)
+    noisy, masked, p = forward_process(ids, MASK)
+    assert torch.equal(loss, weighted_masked_ce(mdlm.logits(noisy), ids, masked, p))
+    assert torch.equal(after, torch.rand(1))  # the global RNG stream is untouched by the switch at 0
+    assert all(random_length(10, 0.0) == 10 for _ in range(100))
+
+
+def test_random_length_cuts_about_1_percent_of_batches_at_llada_prob():
+    """At LLaDA's 0.01 a batch of L = 1000 is cut below L with probability 0.01 · 999/1000; over 100,000 seeded draws
+    the fraction lies within 0.0015 of it (s.e. 3.1e-4: about 5 s.e.)."""
+    g = torch.Generator().manual_seed(0)
+    cut = sum(random_length(1000, 0.01, g) < 1000 for _ in range(100_000)) / 100_000
+    assert abs(cut - 0.01 * 0.999) < 0.0015, cut
+    with pytest.raises(ValueError, match="random_length_prob"):
+        random_length(10, 1.5)
 
 
 class HandLogits(MaskedDiffusionLM):

@@ -359,3 +359,27 @@ def test_paper_scale_runs_hold_the_spec_batch_and_name_every_arm():
     assert composed("mdlm_masks_eval_dream_7b").backbone.diffusion.logit_shift == 1
     steps40 = composed("mdlm_masks_eval_llada_8b_steps40")
     assert steps40.model.eval_steps == 40 and steps40.task == "test"
+
+
+def test_llada_loss_training_cuts_1_percent_by_default_but_not_tiny_mdlm_the_fine_tune_or_bad_input():
+    """LLaDA's pretraining cuts 1% of its batches to a random length (issue 40): on by default for training with
+    LLaDA's loss (model=mdlm), off in mdlm_tiny (SFT-form rows, tuned recipe) and in the mask-agnostic fine-tune."""
+    from benchmarks.tables import composed
+    from lightning_modules.mdlm_masks.finetune import MaskAgnosticModule
+    from lightning_modules.mdlm_masks.module import MDLMModule
+
+    spec = {"family": "llama", "diffusion": {"mask_token_id": MASK}}
+    seen = []
+
+    class Recorder:
+        def loss(self, ids, prompt_mask=None, eps=None, random_length_prob=None):
+            seen.append(random_length_prob)
+
+    module = MDLMModule(spec)
+    module.model = Recorder()
+    module.compute_loss({"input_ids": torch.zeros(1, 4, dtype=torch.long)})
+    assert seen == [0.01] and composed("mdlm_masks_eval_llada_8b").model.random_length_prob == 0.01
+    assert composed("mdlm_tiny").model.random_length_prob == 0.0
+    assert MaskAgnosticModule(spec, context=16, max_masks=8).random_length_prob == 0.0
+    with pytest.raises(ValueError, match="model.random_length_prob"):
+        MDLMModule(spec, random_length_prob=-0.1)

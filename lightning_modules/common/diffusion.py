@@ -7,7 +7,8 @@
   token i+1: its logits are shifted right by one, position 0 keeping its own). ``loss(ids, prompt_mask)`` is LLaDA's
   objective: t ~ U(0,1) per sequence, p = (1-eps) t + eps, each (non-prompt) token masked with probability p, and
   the masked tokens' cross-entropy weighted 1/p, summed and divided by B·L (pretraining) or, with a prompt mask, by
-  each sequence's answer length and B (LLaDA's SFT). ``sample(prompt, ...)`` is LLaDA's ``generate``: append
+  each sequence's answer length and B (LLaDA's SFT); ``random_length_prob`` (``random_length``) first cuts the batch
+  to a random length, as LLaDA's pretraining does for 1% of its data (off unless asked). ``sample(prompt, ...)`` is LLaDA's ``generate``: append
   ``gen_length`` masks, split them into semi-autoregressive blocks, and in each of ``steps / blocks`` steps unmask
   the scheduled number of tokens (LLaDA's ``get_num_transfer_tokens``), chosen by confidence (low_confidence
   remasking) or at random; Gumbel-max with ``temperature``; ``callback(step, x, transferred)`` after every step.
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from lightning_modules.common.attention import is_patched, patch_attention, repeat_kv
 
 EPS = 1e-3  # LLaDA's minimum masking probability
+RANDOM_LENGTH_PROB = 0.01  # LLaDA's pretraining: the share of its data cut to a random length
 REMASKING = ("low_confidence", "random")
 
 
@@ -72,6 +74,22 @@ def forward_process(input_ids: torch.Tensor, mask_token_id: int, eps: float = EP
     if prompt_mask is not None:
         masked &= ~prompt_mask.bool()
     return torch.where(masked, torch.full_like(input_ids, mask_token_id), input_ids), masked, p
+
+
+def random_length(seq_len: int, prob: float, generator: torch.Generator | None = None,
+                  device: torch.device | str = "cpu") -> int:
+    """LLaDA's variable-length pretraining: the length a batch of ``seq_len`` tokens is cut to before the forward
+    process — with probability ``prob`` one length drawn uniformly from [1, seq_len] for the whole batch, else
+    ``seq_len``. LLaDA's GUIDELINES.md (ML-GSAI/LLaDA, "Pre-training") sets "1% of the pre-training data to a random
+    length" this way (``torch.rand(1) < 0.01`` per batch, ``input_ids[:, :random_length]``), so the model also learns
+    sequences shorter than its fixed 4,096-token context; the cut tokens are dropped (never seen, never scored) and
+    the loss is divided by B times the kept length. Its SFT cuts nothing. ``prob = 0`` draws no random number, so
+    the RNG stream (and every later mask) is the one without the switch."""
+    if not 0 <= prob <= 1:
+        raise ValueError(f"random_length_prob={prob}: a probability in [0, 1] (LLaDA's pretraining 0.01; 0 = off)")
+    if prob == 0 or float(torch.rand(1, device=device, generator=generator)) >= prob:
+        return seq_len
+    return int(torch.randint(1, seq_len + 1, (1,), device=device, generator=generator))
 
 
 def weighted_masked_ce(logits: torch.Tensor, targets: torch.Tensor, masked: torch.Tensor, p: torch.Tensor,
@@ -133,8 +151,14 @@ class MaskedDiffusionLM(torch.nn.Module):
     forward = logits
 
     def loss(self, input_ids: torch.Tensor, prompt_mask: torch.Tensor | None = None, eps: float = EPS,
-             t: torch.Tensor | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        """LLaDA's loss on clean ``input_ids`` (pretraining; SFT when ``prompt_mask`` marks the prompt)."""
+             t: torch.Tensor | None = None, generator: torch.Generator | None = None,
+             random_length_prob: float = 0.0) -> torch.Tensor:
+        """LLaDA's loss on clean ``input_ids`` (pretraining; SFT when ``prompt_mask`` marks the prompt), after
+        ``random_length``'s cut with ``random_length_prob`` (LLaDA's pretraining 0.01, its SFT 0; default 0: off)."""
+        n = random_length(input_ids.shape[1], random_length_prob, generator, input_ids.device)
+        if n < input_ids.shape[1]:
+            input_ids = input_ids[:, :n]
+            prompt_mask = None if prompt_mask is None else prompt_mask[:, :n]
         noisy, masked, p = forward_process(input_ids, self.mask_token_id, eps, t, prompt_mask, generator)
         return weighted_masked_ce(self.logits(noisy), input_ids, masked, p, prompt_mask)
 

@@ -31,7 +31,9 @@ class MaskAgnosticModule(MDLMModule):
                  alpha: float = 0.1, beta: float = 1.0, p_low: float = 0.2, p_high: float = 0.8,
                  max_masks: int = 600, curriculum_steps: int = 5000, min_masks: int = 0, context: int = 1024,
                  tv_stopgrad: str = "none", lora: Mapping[str, Any] | None = None):
-        super().__init__(backbone, optimizer, scheduler, weight_decay, ks, filler, eval_steps, grad_share, eps)
+        # its own loss (loss.py) on question/answer pairs: like LLaDA's SFT, nothing is cut to a random length
+        super().__init__(backbone, optimizer, scheduler, weight_decay, ks, filler, eval_steps, grad_share, eps,
+                         random_length_prob=0.0)
         if not 0 <= p_low < p_high <= 1:
             raise ValueError(f"model.p_low={p_low} must be < model.p_high={p_high}, both in [0, 1] (paper: 0.2, 0.8)")
         if not 0 <= max_masks < context:

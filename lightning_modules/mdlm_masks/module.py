@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from lightning_modules.common.backbone import build_backbone, count_parameters
-from lightning_modules.common.diffusion import MaskedDiffusionLM, build_diffusion_backbone
+from lightning_modules.common.diffusion import RANDOM_LENGTH_PROB, MaskedDiffusionLM, build_diffusion_backbone
 from lightning_modules.common.lm import CausalLMModule
 
 FILLERS = ("mask", "period")
@@ -40,17 +40,25 @@ class MDLMModule(CausalLMModule):
         eval_steps: denoising steps before reading the answer (1 or 40).
         grad_share: also measure the masks' input-gradient share at each k.
         eps: LLaDA's minimum masking probability.
+        random_length_prob: the share of training batches cut to a random length in [1, L] before the loss
+            (``common/diffusion.random_length``): LLaDA's pretraining 0.01, the default here (training with LLaDA's
+            loss is pretraining); 0 turns it off (``mdlm_tiny``; LLaDA's SFT). Evaluation never cuts.
     """
 
     def __init__(self, backbone: Mapping[str, Any], optimizer: Callable | None = None,
                  scheduler: Callable | None = None, weight_decay: float = 0.0, ks: Sequence[int] = (0,),
-                 filler: str = "mask", eval_steps: int = 1, grad_share: bool = False, eps: float = 1e-3):
+                 filler: str = "mask", eval_steps: int = 1, grad_share: bool = False, eps: float = 1e-3,
+                 random_length_prob: float = RANDOM_LENGTH_PROB):
         super().__init__(backbone=backbone, optimizer=optimizer, scheduler=scheduler, weight_decay=weight_decay)
         if filler not in FILLERS:
             raise ValueError(f"model.filler={filler!r}: choose mask or period")
         if eval_steps < 1:
             raise ValueError(f"model.eval_steps={eval_steps}: at least 1 (the paper reads after 1 or 40 steps)")
+        if not 0 <= random_length_prob <= 1:
+            raise ValueError(f"model.random_length_prob={random_length_prob}: a probability in [0, 1] (LLaDA's "
+                             "pretraining 0.01; 0 = off)")
         self.ks, self.filler, self.eval_steps, self.grad_share, self.eps = list(ks), filler, eval_steps, grad_share, eps
+        self.random_length_prob = random_length_prob
         self.causal = not (self.backbone_spec.get("diffusion") or {}).get("mask_token_id") is not None
         self.rows: list[dict] = []
         self.results: dict = {}
@@ -94,7 +102,8 @@ class MDLMModule(CausalLMModule):
 
     # --- training ------------------------------------------------------------------------------------------------
     def compute_loss(self, batch) -> torch.Tensor:
-        return self.model.loss(batch["input_ids"], batch.get("prompt_mask"), eps=self.eps)
+        return self.model.loss(batch["input_ids"], batch.get("prompt_mask"), eps=self.eps,
+                               random_length_prob=self.random_length_prob)
 
     # --- the studies ---------------------------------------------------------------------------------------------
     def study_input(self, prompt_ids: list[int], k: int) -> tuple[list[int], int, list[int]]:
