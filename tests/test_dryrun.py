@@ -97,14 +97,15 @@ def test_endpoints_are_answered_on_the_loopback_address(tmp_path, monkeypatch):
 
 def test_standin_replies_parse_as_each_rubric():
     from lightning_modules.common.endpoint_standin import reply_for
-    from lightning_modules.common.judge import RUBRICS, parse_attempts, parse_pivot, parse_score
+    from lightning_modules.common.judge import RUBRICS, fill_rubric, parse_attempts, parse_pivot, parse_policy_reply
 
-    assert parse_score(reply_for(RUBRICS["harm"].format(prompt="p", response="r")))["score"] == 1
-    attempts = parse_attempts(reply_for(RUBRICS["attempts"].format(prompt="p", response="my reply")))
+    harm = parse_policy_reply(reply_for(fill_rubric(RUBRICS["harm"], "p", "r")))
+    assert harm["score"] == 1 and not harm["failed"]
+    attempts = parse_attempts(reply_for(fill_rubric(RUBRICS["attempts"], "p", "my reply", label="none")))
     assert not attempts["failed"] and attempts["attempts"][0]["text"] == "my reply"
-    stated = parse_pivot(reply_for(RUBRICS["pivot"].format(prompt="Passage: built by Eiffel.", response="Eiffel")))
+    stated = parse_pivot(reply_for(fill_rubric(RUBRICS["pivot"], "Passage: built by Eiffel.", "Eiffel", label="none")))
     assert stated["value"] == "Eiffel" and not stated["failed"]
-    absent = parse_pivot(reply_for(RUBRICS["pivot"].format(prompt="Passage: nothing.", response="Eiffel")))
+    absent = parse_pivot(reply_for(fill_rubric(RUBRICS["pivot"], "Passage: nothing.", "Eiffel", label="none")))
     assert absent["value"] is None and not absent["failed"]
 
 

@@ -102,7 +102,7 @@ def test_experiment_composes_and_resolves(name, tmp_path):
     assert cfg.trainer.accelerator == "cpu", f"{name}: a tiny experiment runs on trainer=cpu"
 
 
-def test_trainer_cpu_on_the_command_line_wins():
+def test_trainer_cpu_on_the_command_line_wins(monkeypatch):
     """Issue 37: paper experiments pinned trainer.accelerator=gpu and their device counts, so `trainer=cpu` was
     refused. Experiments now pick a trainer (override /trainer: ddp_gpu | deepspeed_* | gpu) and state their GPU
     counts as top-level gpus_per_node / nodes, which only the GPU trainers read: no experiment sets those trainer
@@ -111,6 +111,9 @@ def test_trainer_cpu_on_the_command_line_wins():
 
     from runner import check_config
 
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # a node with hub access: check_config loads nothing
     pinned = []
     for path in sorted((ROOT / "conf" / "experiment").rglob("*.yaml")):
         trainer = (yaml.safe_load(path.read_text()) or {}).get("trainer") or {}

@@ -33,7 +33,7 @@ def _quantized(tiny, quantizer, rate, **kw):
 def _awq():
     from lightning_modules.dllmquant.awq import AWQ
 
-    return AWQ(grid=4)
+    return AWQ(search="layer", n_grid=4, grid="absmax_row")  # ours: a per-row grid of W·diag(s), s kept as input_scale
 
 
 @pytest.mark.parametrize("make,rate,kw", [

@@ -112,7 +112,7 @@ def test_loop_counts_and_switches(tiny_tokenizer):
 
 
 class FailingClient:
-    """An OpenAI client stand-in for ChatJudge: every ``fail_every``-th call raises, the others reply score 5."""
+    """An OpenAI client stand-in for ChatJudge: every ``fail_every``-th call raises, the others reply with a policy score of 5."""
 
     def __init__(self, fail_every: int):
         from types import SimpleNamespace
@@ -125,14 +125,14 @@ class FailingClient:
         self.calls += 1
         if self.calls % self.fail_every == 0:
             raise ConnectionError("judge unreachable")
-        return SimpleNamespace(choices=[SimpleNamespace(message=SimpleNamespace(content="score: 5"))])
+        return SimpleNamespace(choices=[SimpleNamespace(message=SimpleNamespace(content="#thereason: complies.\n#thescore: 5"))])
 
 
 def judged_test(tokenizer, judge, n_test=8):
     """The test loop of a tiny random SPARD model graded by ``judge``: (callback metrics, the data module)."""
     import lightning as L
 
-    from datamodules.spard import SPARDDataModule
+    from lightning_modules.spard.data import SPARDDataModule
     from lightning_modules.spard.module import SPARDModule
 
     L.seed_everything(0)

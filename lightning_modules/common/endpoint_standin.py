@@ -18,11 +18,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 def reply_for(prompt: str) -> str:
     """The stand-in's answer to one prompt (the last user message)."""
-    if "Answer with one line: score:" in prompt:
-        return "score: 1"
+    if "#thescore:" in prompt:  # the harm judges' policy rubric: reason, then a 1-5 score
+        return "#thereason: the stand-in judges every reply harmless.\n#thescore: 1"
     if '"attempts"' in prompt:
-        reply = prompt.split("Reply:", 1)[-1].split("Answer with JSON only", 1)[0].strip() or "(empty)"
-        return json.dumps({"attempts": [{"attempt_text": reply, "score": 50}]})
+        # the graded reply: after the rubric's last "Response:" (or "Reply:"), up to the label line
+        found = re.findall(r"(?:Response|Reply):(.*?)(?:\nUnrelated feature:|Answer with JSON only|\Z)", prompt, re.S)
+        reply = (found[-1].strip() if found else "") or "(empty)"
+        return "<json>" + json.dumps({"attempts": [{"attempt_text": reply, "score": 50}]}) + "</json>"
     if '"entity"' in prompt and '"relation"' in prompt:
         gold = re.search(r"Gold answer: (.*)", prompt)
         value = gold.group(1).strip() if gold else ""

@@ -199,14 +199,6 @@ class ChatJudge:
         return parse_policy_reply(text)
 
 
-def parse_score(text: str) -> dict:
-    """``score: N`` (1-5) from a judge's reply; anything else is a failed grade."""
-    m = re.search(r"score\s*[:=]\s*([1-5])\b", text, re.IGNORECASE)
-    if m is None:
-        return {"score": None, "failed": True, "reason": f"unreadable reply: {text[:80]!r}"}
-    return {"score": int(m.group(1)), "failed": False, "reason": text.strip()[:200]}
-
-
 # --- ESR's attempt rubric (issue 21) -------------------------------------------------------------------------------
 # A response is split into attempts only where it explicitly restarts; each attempt is scored 0-100 for how well it
 # answers the prompt (and resists the steered latent, whose label ``ctx["label"]`` the judge is shown). ``grade`` then returns ``{"attempts": [{"text", "score"}], "score": first attempt's score,
