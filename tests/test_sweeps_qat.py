@@ -261,6 +261,7 @@ def test_cell_means_give_mean_and_standard_error_over_seeds():
     assert math.isnan(t.loc[2, "se"]) and t.loc[2, "n"] == 1
 
 
+@pytest.mark.slow  # ~60 s of refits on 2 cores; the bootstrap's CLI path stays in the default suite (fit_cli_bootstrap)
 def test_bootstrap_over_seeds_recovers_signs_and_covers_the_planted_exponents():
     from sweeps.fit import bootstrap_fit, sign_verdict
 
