@@ -406,15 +406,9 @@ CHAT = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m
 @pytest.fixture
 def chat_tokenizer(tmp_path, tiny_tokenizer):
     """The project's tokenizer with turn markers and a chat template that writes the BOS, saved and reloaded."""
-    from transformers import AutoTokenizer
+    from tests.helpers import saved_chat_tokenizer
 
-    import copy
-
-    tok = AutoTokenizer.from_pretrained(tiny_tokenizer.name_or_path) if tiny_tokenizer.name_or_path else copy.deepcopy(tiny_tokenizer)
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.chat_template = CHAT
-    tok.save_pretrained(tmp_path / "chat_tok")
-    return AutoTokenizer.from_pretrained(tmp_path / "chat_tok")
+    return saved_chat_tokenizer(tiny_tokenizer, tmp_path / "chat_tok", CHAT)
 
 
 def test_prompts_use_the_chat_template_with_its_bos(chat_tokenizer, tmp_path):

@@ -353,15 +353,9 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 @pytest.fixture
 def chat_tokenizer(tmp_path, tiny_tokenizer):
     """The project's tokenizer with ChatML turn markers and a chat template, saved and loaded back (no hub)."""
-    from transformers import AutoTokenizer
+    from tests.helpers import saved_chat_tokenizer
 
-    import copy
-
-    tok = AutoTokenizer.from_pretrained(tiny_tokenizer.name_or_path) if tiny_tokenizer.name_or_path else copy.deepcopy(tiny_tokenizer)
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.chat_template = CHATML
-    tok.save_pretrained(tmp_path / "chat_tok")
-    return AutoTokenizer.from_pretrained(tmp_path / "chat_tok")
+    return saved_chat_tokenizer(tiny_tokenizer, tmp_path / "chat_tok", CHATML)
 
 
 def test_paper_scale_prompts_use_the_chat_template(tmp_path, chat_tokenizer):
