@@ -27,26 +27,24 @@ def rank() -> int:
     return dist.get_rank() if distributed() else 0
 
 
-def all_sum(t: torch.Tensor) -> torch.Tensor:
-    """``t`` summed over the ranks (a copy; ``t`` itself in a single process)."""
+def _all_reduce(t: torch.Tensor, op: str) -> torch.Tensor:
     if not distributed():
         return t
     import torch.distributed as dist
 
     out = t.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    dist.all_reduce(out, op=getattr(dist.ReduceOp, op))
     return out
+
+
+def all_sum(t: torch.Tensor) -> torch.Tensor:
+    """``t`` summed over the ranks (a copy; ``t`` itself in a single process)."""
+    return _all_reduce(t, "SUM")
 
 
 def all_max(t: torch.Tensor) -> torch.Tensor:
     """``t`` maximised over the ranks (a copy; ``t`` itself in a single process)."""
-    if not distributed():
-        return t
-    import torch.distributed as dist
-
-    out = t.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    return out
+    return _all_reduce(t, "MAX")
 
 
 def gather_objects(items: list) -> list:
