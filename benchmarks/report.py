@@ -229,6 +229,14 @@ def render(docs: list[dict], figures_prefix: str = "results/", coverage: list[st
     return "\n".join(out).rstrip("\n") + "\n"
 
 
+def render_results(docs: list[dict], results: Path = RESULTS, figures_prefix: str = "results/") -> str:
+    """The report as ``python -m benchmarks.report`` writes it: the results, the table coverage, the tiny runs, the
+    last ``benchmarks.all`` log and the attention scaling table found beside the results."""
+    return render(docs, figures_prefix, coverage=render_coverage(), tiny=load_tiny(),
+                  run_log=load_run_log(results / "all" / "run.json"),
+                  attention=load_run_log(results / "attention" / "cpu.json"))
+
+
 def main(argv=None) -> Path:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", nargs="+", default=[], metavar="PAPER", help="run python -m benchmarks PAPER first")
@@ -245,9 +253,7 @@ def main(argv=None) -> Path:
         raise SystemExit(f"no results in {args.results}: run a benchmark (python -m benchmarks <paper>) first")
     prefix = Path(args.results).resolve().relative_to(args.out.resolve().parent).as_posix() + "/" \
         if args.results.resolve().is_relative_to(args.out.resolve().parent) else f"{args.results.resolve()}/"
-    args.out.write_text(render(docs, prefix, coverage=render_coverage(), tiny=load_tiny(),
-                               run_log=load_run_log(Path(args.results) / "all" / "run.json"),
-                               attention=load_run_log(Path(args.results) / "attention" / "cpu.json")))
+    args.out.write_text(render_results(docs, Path(args.results), prefix))
     print(f"wrote {args.out} ({len(docs)} papers, {sum(len(d['claims']) for d in docs)} claims)")
     if args.wandb:
         log_wandb(docs, args.results, name="report")

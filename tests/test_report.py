@@ -9,9 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.report import load_all, render
-from benchmarks.tables import render_coverage
-from benchmarks.tiny_runs import load_tiny
+from benchmarks.report import load_all, render, render_results
 from benchmarks import stats
 from benchmarks.schema import RESULTS, ROOT, arms_table, load, missing_extra, run_benchmark, validate, write_results
 
@@ -30,7 +28,7 @@ def test_results_are_committed_and_valid():
 
 def test_committed_report_is_rendered_from_the_committed_results():
     report = (ROOT / "benchmarks" / "REPORT.md").read_text()
-    assert report == render(load_all(), coverage=render_coverage(), tiny=load_tiny()), "benchmarks/REPORT.md is stale: run python -m benchmarks.report"
+    assert report == render_results(load_all()), "benchmarks/REPORT.md is stale: run python -m benchmarks.report"
 
 
 def test_quotes_are_verbatim_from_the_abstracts():
