@@ -185,6 +185,14 @@ def rows(lengths=LENGTHS, names=None, impls=IMPLS, repeats: int = 2, threads: in
     return out
 
 
+def kernel_rows(device: str, quick: bool) -> list[dict]:
+    """``python -m benchmarks.kernels``' attention section: the table at CUDA's lengths on a GPU (the default CPU
+    lengths otherwise); ``quick``: N = 512, the default path of HiCI and RLKV's token window against the yardstick."""
+    if quick:
+        return rows((512,), ["causal", "hici_shift_g", "rlkv_token"], impls=("auto",), repeats=1)
+    return rows(CUDA_LENGTHS if device == "cuda" else LENGTHS)
+
+
 def markdown(doc: dict) -> list[str]:
     """The report's section from a written results file (``--out``): per case, implementation and N the peak memory
     and time, and both relative to causal SDPA at that N (the yardstick)."""
