@@ -394,7 +394,7 @@ def _run(cfg: DictConfig, state: _State):
         if cfg.preflight == "only":
             return None
     if cfg.get("dryrun"):  # debug=dryrun: shrink the sizes before anything is checked or built
-        from dryrun import prepare
+        from lightning_modules.common.dryrun import prepare
 
         prepare(cfg)
     check_config(cfg)

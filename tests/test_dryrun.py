@@ -1,4 +1,4 @@
-"""``debug=dryrun`` (``dryrun.py``): a paper-scale experiment's own task on CPU with only its sizes shrunk.
+"""``debug=dryrun`` (``lightning_modules/common/dryrun.py``): a paper-scale experiment's own task on CPU with only its sizes shrunk.
 
 Default suite: the config rewrite on a composed paper-scale config (twin, data root and its miniatures, strategy,
 sizes), the endpoint stand-in answering each rubric in the form our parsers read, an unknown data path failing
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _prepared(experiment: str, tmp_path, *overrides: str):
-    from dryrun import prepare
+    from lightning_modules.common.dryrun import prepare
 
     cfg = compose(experiment, ["debug=dryrun", "dryrun.processes=1", *overrides], output_dir=tmp_path)
     prepare(cfg)
@@ -37,7 +37,7 @@ def test_prepare_shrinks_a_paper_scale_config(tmp_path):
 
     from omegaconf import open_dict
 
-    from dryrun import prepare
+    from lightning_modules.common.dryrun import prepare
 
     cfg = compose("lm_llama7b", ["debug=dryrun"], output_dir=tmp_path)
     with open_dict(cfg):  # an experiment's own dry-run sizes win over the generic caps
@@ -86,7 +86,7 @@ def test_endpoints_are_answered_on_the_loopback_address(tmp_path, monkeypatch):
     assert EndpointClient.from_spec(spec).chat("What is 2 + 2? End with 'Answer: <n>'.") == "Answer: 0"
     from omegaconf import open_dict
 
-    from dryrun import _endpoints  # spard's own data layouts are its helper's: only the endpoint step here
+    from lightning_modules.common.dryrun import _endpoints  # spard's own data layouts are its helper's: only the endpoint step here
 
     spard = compose("spard_qwen25_7b_gsm8k", ["debug=dryrun"], output_dir=tmp_path / "spard")
     with open_dict(spard):

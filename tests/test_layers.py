@@ -1,7 +1,7 @@
 """Import layers, read with ``ast`` (nothing executed): each violation is named by file:line.
 
 1. Shared code (``lightning_modules/common``, ``datamodules``, ``callbacks``, ``sweeps``, ``benchmarks``,
-   ``runner.py``, ``run.py``, ``dryrun.py``) imports no paper package and names none in a string (a ``_target_`` or a module path
+   ``runner.py``, ``run.py``) imports no paper package and names none in a string (a ``_target_`` or a module path
    it would import); papers reach shared code through configs and registries.
 2. A paper package (``lightning_modules/<paper>/``) imports no other paper package.
 3. Non-test code imports nothing from ``tests/``.
@@ -15,9 +15,8 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PROJECT = ("lightning_modules", "datamodules", "callbacks", "sweeps", "benchmarks", "tests", "runner", "run", "dryrun")
-SHARED = ("lightning_modules/common/", "datamodules/", "callbacks/", "sweeps/", "benchmarks/", "runner.py", "run.py",
-          "dryrun.py")
+PROJECT = ("lightning_modules", "datamodules", "callbacks", "sweeps", "benchmarks", "tests", "runner", "run")
+SHARED = ("lightning_modules/common/", "datamodules/", "callbacks/", "sweeps/", "benchmarks/", "runner.py", "run.py")
 PAPERS = sorted(p.name for p in (ROOT / "lightning_modules").iterdir()
                 if p.is_dir() and p.name not in ("common", "__pycache__"))
 
@@ -80,7 +79,7 @@ def violation(rel: str, module: str) -> str | None:
 
 def source_files() -> list[Path]:
     dirs = ("lightning_modules", "datamodules", "callbacks", "sweeps", "benchmarks")
-    return sorted([p for d in dirs for p in (ROOT / d).rglob("*.py")] + [ROOT / f for f in ("runner.py", "run.py", "dryrun.py")])
+    return sorted([p for d in dirs for p in (ROOT / d).rglob("*.py")] + [ROOT / f for f in ("runner.py", "run.py")])
 
 
 def test_import_layers():
