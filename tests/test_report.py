@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -199,6 +200,19 @@ def test_benchmarks_all_refuses_a_dirty_tree_and_goes_on_after_a_failure(tmp_pat
     log = json.loads((tmp_path / "run.json").read_text())
     assert ran == ["hici", "llr"] and log["papers"]["hici"]["status"] == "failed"  # ... and the rest still ran
     assert log["commit"] and log["finished"]
+
+
+def test_a_benchmark_builds_the_tiny_models_it_needs(monkeypatch):
+    """On a fresh clone ``python -m benchmarks <paper>`` (and so benchmarks.all) builds a missing tiny model instead
+    of stopping at PretrainedNotFoundError: it runs with build-on-demand set, for itself and its subprocesses."""
+    import benchmarks.__main__ as bench_main
+    from datamodules.common.tiny_models import BUILD_ON_DEMAND
+
+    monkeypatch.setenv(BUILD_ON_DEMAND, "0")  # recorded, so teardown restores the suite's own value ...
+    monkeypatch.delenv(BUILD_ON_DEMAND)  # ... and the benchmark starts without it, as on a fresh clone
+    seen = {}
+    monkeypatch.setattr(bench_main, "run_benchmark", lambda paper, *a: seen.setdefault(paper, os.environ.get(BUILD_ON_DEMAND)))
+    assert bench_main.main(["llr"]) == 0 and seen == {"llr": "1"}
 
 
 def test_run_one_records_a_failing_benchmark(tmp_path):
