@@ -365,3 +365,68 @@ def test_rkv_evicts_a_buffer_of_the_latest_window_by_importance_and_redundancy(m
     torch.testing.assert_close(RKV.redundancy(keys)[0], torch.tensor([0.5, 0.25, 0.0, 0.0]).softmax(-1))
     with pytest.raises(ValueError, match="sparsity"):
         RKV(sparsity=1.0)
+
+
+def _dense_h2o_scores(query, key, attention_mask, evicted, scaling):
+    """The (n x K) formula the chunked scores replace: causal & padding & not evicted, softmax, summed over real
+    queries and the group's query heads."""
+    B, Hq, n, _ = query.shape
+    H, K = key.shape[1], key.shape[-2]
+    allowed = torch.ones(n, K, dtype=torch.bool).tril(K - n)[None, None] & (attention_mask[..., -n:, -K:] == 0)
+    real_q = allowed[:, 0].diagonal(K - n, dim1=-2, dim2=-1)
+    see = allowed & ~evicted.repeat_interleave(Hq // H, 1)[:, :, None]
+    logits = query @ key.repeat_interleave(Hq // H, 1).transpose(-1, -2) * scaling
+    probs = logits.masked_fill(~see, float("-inf")).softmax(-1).nan_to_num(0.0) * real_q[:, None, :, None]
+    return probs.sum(2).view(B, H, -1, K).sum(2), real_q
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_h2o_attention_scores_by_query_chunks_equal_the_dense_scores(monkeypatch, chunk):
+    """A left-padded batch (additive float mask), GQA, some entries already evicted, an odd n that a chunk does not
+    divide, a forward of 7 new queries over 11 cached entries: the chunked scores equal the dense formula's."""
+    from lightning_modules.common import kv_press
+
+    monkeypatch.setattr(kv_press, "QUERY_CHUNK", chunk)
+    g = torch.Generator().manual_seed(3)
+    B, Hq, H, n, K, d = 2, 4, 2, 7, 11, 8
+    query, key = torch.randn(B, Hq, n, d, generator=g), torch.randn(B, H, K, d, generator=g)
+    pad = torch.tensor([[False] * K, [True] * 3 + [False] * (K - 3)])  # row 1: three left-pad entries
+    mask = torch.zeros(B, 1, n, K).masked_fill(pad[:, None, None], float("-inf"))
+    evicted = torch.rand(B, H, K, generator=g) < 0.2
+    real_q, _ = kv_press._visibility(mask, n, K, B, "cpu")
+    got = kv_press.attention_received(SimpleNamespace(scaling=0.3), query, key, mask, evicted, real_q)
+    want, want_real = _dense_h2o_scores(query, key, mask, evicted, 0.3)
+    assert torch.equal(real_q, want_real)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("press", ["h2o", "rkv"])
+def test_a_decoding_drop_prefill_builds_no_n_by_n_tensor(model, monkeypatch, press):
+    """H2O's and R-KV's prefill over n = 200 tokens: no tensor the forward makes holds n x n elements (the old H2O
+    path made Hq x n x n scores and an n x n mask) — recorded op by op with a dispatch mode — and the evictions still
+    bring each head to the budget."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import DynamicCache
+
+    from lightning_modules.common import kv_press
+
+    class Largest(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    Largest.largest = max(Largest.largest, t.numel())
+            return out
+
+    monkeypatch.setattr(kv_press, "QUERY_CHUNK", 16)
+    n = 200
+    context = torch.randint(2, 97, (1, n), generator=torch.Generator().manual_seed(4))
+    p = kv_press.H2O(sparsity=0.5, window=4) if press == "h2o" else \
+        kv_press.RKV(sparsity=0.5, window=12, obs_window=2, fixed_size=64, buffer=16)
+    with p(model), torch.no_grad(), Largest():
+        model(input_ids=context, cache=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+    assert 0 < Largest.largest < n * n
+    kept = p.summary()["kept_per_head"][0]
+    assert kept == ([2 * ((n // 2 + 4) // 2)] * 2 if press == "h2o" else [n - 16] * 2)

@@ -362,13 +362,43 @@ class Block(Wrapper):
 
 
 # --- decoding-time token dropping (RLKV's baselines) ----------------------------------------------------------------
-def _allowed(attention_mask, evicted, q_len: int, K: int, B: int, device) -> torch.Tensor:
-    """(B, 1, q, K) bool: the keys each query of this forward may see (causal, padding, not evicted)."""
-    allowed = torch.ones(q_len, K, dtype=torch.bool, device=device).tril(K - q_len)[None, None].expand(B, 1, -1, -1)
-    if attention_mask is not None:
-        am = attention_mask[..., -q_len:, -K:]
-        allowed = allowed & (am if am.dtype == torch.bool else am == 0)
-    return allowed
+QUERY_CHUNK = 256  # H2O scores a prefill's queries this many at a time: (chunk x K) logits, never (n x K)
+
+
+def _as_allowed(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.dtype == torch.bool else mask == 0  # additive masks: 0 where allowed
+
+
+def _visibility(attention_mask, n: int, K: int, B: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, n) which of this forward's queries are real (they see themselves: not padding) and (B, K) which cached
+    entries its last query sees, read from the padding mask's diagonal and last row: the causal (n x K) mask is never
+    built (its last row is all ones and its diagonal allowed)."""
+    if attention_mask is None:
+        return (torch.ones(B, n, dtype=torch.bool, device=device), torch.ones(B, K, dtype=torch.bool, device=device))
+    rows = attention_mask[:, 0, -n:, -K:]
+    return _as_allowed(rows.diagonal(K - n, dim1=-2, dim2=-1)), _as_allowed(rows[:, -1])
+
+
+def attention_received(module, query, key, attention_mask, evicted, real_q) -> torch.Tensor:
+    """(B, kv_heads, K): the softmax attention each cached entry receives from this forward's real queries, summed
+    over them and over the query heads of its KV group (causal, padding and evicted entries hidden). Queries go
+    ``QUERY_CHUNK`` at a time, so a prefill of n tokens holds (chunk x K) scores, not (n x K)."""
+    B, Hq, n, _ = query.shape
+    H, K = key.shape[1], key.shape[-2]
+    keys_t = repeat_kv(key.float(), Hq // H).transpose(-1, -2)
+    hidden = repeat_kv(evicted, Hq // H)[:, :, None]
+    columns = torch.arange(K, device=key.device)
+    total = key.new_zeros(B, Hq, K, dtype=torch.float32)
+    for start in range(0, n, QUERY_CHUNK):
+        end = min(n, start + QUERY_CHUNK)
+        rows = torch.arange(K - n + start, K - n + end, device=key.device)
+        see = (columns[None, :] <= rows[:, None])[None, None] & ~hidden  # causal, not evicted
+        if attention_mask is not None:
+            see = see & _as_allowed(attention_mask[:, :, -n:, -K:][:, :, start:end])
+        logits = (query[:, :, start:end].float() @ keys_t) * getattr(module, "scaling", 1.0)
+        probs = logits.masked_fill(~see, float("-inf")).softmax(-1).nan_to_num(0.0)
+        total += (probs * real_q[:, None, start:end, None]).sum(2)
+    return total.view(B, H, Hq // H, K).sum(2)
 
 
 @dataclass
@@ -435,16 +465,13 @@ class H2O(DecodingDropPress):
                                        "seen": torch.zeros(B, dtype=torch.long, device=key.device)}
         evicted = F.pad(module.press_evicted, (0, K - module.press_evicted.shape[-1])) \
             if module.press_evicted is not None else torch.zeros(B, H, K, dtype=torch.bool, device=key.device)
-        allowed = _allowed(attention_mask, None, n, K, B, key.device)
-        real_q = allowed[:, 0].diagonal(K - n, dim1=-2, dim2=-1)  # (B, n): a query is real if it sees itself
-        see = allowed & ~repeat_kv(evicted, Hq // H)[:, :, None]
-        logits = (query.float() @ repeat_kv(key.float(), Hq // H).transpose(-1, -2)) * getattr(module, "scaling", 1.0)
-        probs = logits.masked_fill(~see, float("-inf")).softmax(-1).nan_to_num(0.0) * real_q[:, None, :, None]
-        score = F.pad(state["score"], (0, K - state["score"].shape[-1])) + probs.sum(2).view(B, H, -1, K).sum(2)
+        real_q, last_row = _visibility(attention_mask, n, K, B, key.device)
+        score = (F.pad(state["score"], (0, K - state["score"].shape[-1]))
+                 + attention_received(module, query, key, attention_mask, evicted, real_q))
         seen = state["seen"] + real_q.sum(-1)
         budget = self.budget(seen)
         half = budget // 2
-        visible = allowed[:, 0, -1][:, None].expand(-1, H, -1) & ~evicted
+        visible = last_row[:, None].expand(-1, H, -1) & ~evicted
         from_end = visible.flip(-1).long().cumsum(-1).flip(-1)  # 1 = the latest visible entry
         recent = visible & (from_end <= half[:, None, None])
         candidates = visible & ~recent
@@ -487,12 +514,11 @@ class RKV(DecodingDropPress):
                                        "seen": torch.zeros(B, dtype=torch.long, device=key.device)}
         evicted = F.pad(module.press_evicted, (0, K - module.press_evicted.shape[-1])) \
             if module.press_evicted is not None else torch.zeros(B, H, K, dtype=torch.bool, device=key.device)
-        allowed = _allowed(attention_mask, None, n, K, B, key.device)
-        real_q = allowed[:, 0].diagonal(K - n, dim1=-2, dim2=-1)
+        real_q, last_row = _visibility(attention_mask, n, K, B, key.device)
         queries = torch.cat([state["queries"], query], 2)[:, :, -self.obs_window:]
         seen = state["seen"] + real_q.sum(-1)
         budget = (seen.double() * self.budget_ratio).long() + window  # the query cache's share taken off the window
-        visible = allowed[:, 0, -1][:, None].expand(-1, H, -1) & ~evicted
+        visible = last_row[:, None].expand(-1, H, -1) & ~evicted
         for b in range(B):
             count = int(visible[b, 0].sum())
             if count <= int(budget[b]) or count <= self.fixed_size:
@@ -527,7 +553,9 @@ def masked_attention(module, query, key, value, attention_mask, dropout: float =
     """Attention that also hides the positions a press evicted (``module.press_evicted``: batch x kv_heads x L_ctx).
     A press that evicts while decoding (H2O, R-KV) sets ``module.press_update``: it runs after the attention, on this
     forward's post-RoPE queries and the whole cache, and evicts for the next forward (the released samplers attend
-    over the previous step's cropped cache plus the new token, then crop)."""
+    over the previous step's cropped cache plus the new token, then crop). No (n x n) mask is built: a prefill evicts
+    nothing yet and runs plain SDPA (its H2O scores go ``QUERY_CHUNK`` queries at a time); with evictions the mask is
+    (q x K) for the q new tokens of this forward (one while decoding, a question's length after compression)."""
     out = _masked_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     update = getattr(module, "press_update", None)
     if update is not None:
@@ -547,7 +575,7 @@ def _masked_attention(module, query, key, value, attention_mask, dropout: float 
     allowed = torch.ones(q_len, K, dtype=torch.bool, device=query.device).tril(K - q_len)[None, None]
     if attention_mask is not None:
         am = attention_mask[..., -K:]
-        allowed = allowed & (am if am.dtype == torch.bool else am == 0)
+        allowed = allowed & _as_allowed(am)
     ev = F.pad(evicted, (0, K - evicted.shape[-1]))
     allowed = allowed & ~repeat_kv(ev, n_rep)[:, :, None, :]
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, dropout_p=dropout, scale=scaling,
