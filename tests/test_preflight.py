@@ -283,6 +283,17 @@ def test_rlkv_trains_only_its_gates_and_generates(tmp_path):
     assert report["kv_cache"] == 64 * 8192 * 32 * 2 * 8 * 128 * 2
 
 
+def test_offloaded_70b_quantization_fits_one_80gb_gpu(tmp_path):
+    """watersic_llama3_70b with model.offload: one block of the model and one of its reference on the GPU beside the
+    embeddings and head, the rest (both copies) in host memory; without offload the two 141 GB copies cannot fit."""
+    on = _estimate("watersic_llama3_70b", tmp_path)
+    off = _estimate("watersic_llama3_70b", tmp_path, "model.offload=false")
+    block = on["params_total"] * 2 * 0.0121  # one of 80 blocks: 0.856B of 70.6B parameters, bf16
+    assert on["frozen_copies"] == pytest.approx(block, rel=0.02) and on["header_gpu_gib"] == 80
+    assert on["peak"] / pf.GIB < 80 < off["peak"] / pf.GIB and on["warning"] is None and "exceeds" in off["warning"]
+    assert on["host_per_node"] == pytest.approx(2 * off["weights"], rel=1e-9)
+
+
 def test_int8_base_and_lora(tmp_path):
     report = _estimate("spard_qwen25_7b_gsm8k", tmp_path)
     assert report["checkpointing"] and report["params_trainable"] < 0.01 * report["params_total"]

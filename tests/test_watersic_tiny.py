@@ -240,7 +240,7 @@ def test_attention_weighted_and_residual_statistics(tiny_setup):
     over queries, mean 1); ε = 0 weights Σ_X by them alone, ε = 1 is the plain sequential statistics; Σ_ΔR,X̂ = E[(R − R̂)x̂ᵀ]
     with R the input of the norm before the layer's sub-block."""
     from lightning_modules.common.quantize.calibration import capture_inputs
-    from lightning_modules.common.quantize.driver import _sequential_stats, attention_token_weights
+    from lightning_modules.common.quantize.driver import WholeModelRunner, _sequential_stats, attention_token_weights
 
     base, calib, _ = tiny_setup
     batch = {"input_ids": calib[0]["input_ids"][:2, :32]}
@@ -257,10 +257,11 @@ def test_attention_weighted_and_residual_statistics(tiny_setup):
         for p in model.model.layers[0].parameters():
             p.add_(0.01 * torch.randn_like(p))
     mods, refs = dict(model.named_modules()), dict(base.named_modules())
+    runner = WholeModelRunner(model, base, [batch])
     qkv = [(f"model.layers.1.self_attn.{p}_proj", mods[f"model.layers.1.self_attn.{p}_proj"]) for p in "qkv"]
-    plain = _sequential_stats(model, base, refs, qkv, [batch])
-    zero = _sequential_stats(model, base, refs, qkv, [batch], a_eps=0.0)
-    one = _sequential_stats(model, base, refs, qkv, [batch], a_eps=1.0)
+    plain = _sequential_stats(runner, refs, qkv, [batch])
+    zero = _sequential_stats(runner, refs, qkv, [batch], a_eps=0.0)
+    one = _sequential_stats(runner, refs, qkv, [batch], a_eps=1.0)
     flat = lambda t: t.double().reshape(-1, t.shape[-1])
     x = flat(capture_inputs(base, refs[qkv[0][0]], batch))
     wts = attention_token_weights(base, "model.layers.1", batch).reshape(-1)
@@ -268,12 +269,12 @@ def test_attention_weighted_and_residual_statistics(tiny_setup):
     assert torch.allclose(zero.sigma_x, (x * wts[:, None]).T @ x / wts.sum(), atol=1e-10)
 
     down = [("model.layers.1.mlp.down_proj", mods["model.layers.1.mlp.down_proj"])]
-    st = _sequential_stats(model, base, refs, down, [batch], residual=True)
+    st = _sequential_stats(runner, refs, down, [batch], residual=True)
     r = flat(capture_inputs(base, refs["model.layers.1.post_attention_layernorm"], batch))
     rh = flat(capture_inputs(model, mods["model.layers.1.post_attention_layernorm"], batch))
     xh = flat(capture_inputs(model, down[0][1], batch))
     assert torch.allclose(st.residual_cross, (r - rh).T @ xh / r.shape[0], atol=1e-10)
-    assert st.residual_cross.abs().max() > 0 and _sequential_stats(model, base, refs, down, [batch]).residual_cross is None
+    assert st.residual_cross.abs().max() > 0 and _sequential_stats(runner, refs, down, [batch]).residual_cross is None
 
 
 def test_extras_run_through_the_driver(tiny_setup):
@@ -330,3 +331,71 @@ def test_watersic_ft_recovers_planted_rescalers(tiny_setup):
         got = mods[name].weight.double() / a
         assert float((got - outer).norm()) < 0.85 * float((torch.ones_like(outer) - outer).norm())
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if n in before)
+
+
+@pytest.mark.parametrize("mode", ["plain", "sequential"])
+def test_offloaded_driver_quantizes_as_the_in_memory_driver(tiny_setup, mode):
+    """``offload`` (one block at a time from carried hidden states, the 70B path) against the in-memory driver on the
+    tiny model, every extra on in sequential mode (residual compensation, attention-weighted q/k/v, the ε search, rate
+    control, zeroed rows), two batches: the same layers, rates, ε and weights. Eager attention in both, so the hidden
+    states the two paths carry are computed by the same kernels."""
+    from lightning_modules.common.quantize.driver import quantize_model
+    from lightning_modules.watersic import WaterSIC
+
+    base, calib, _ = tiny_setup
+    base = copy.deepcopy(base)
+    base.set_attn_implementation("eager")
+    calib = [{"input_ids": calib[0]["input_ids"][:2, :32]}, {"input_ids": calib[0]["input_ids"][2:4, :32]}]
+    extras = dict(residual_compensation=True, attn_weighted_qkv=0.01, eps_search=True, eps_steps=2,
+                  zero_out_rows={"layers.2.mlp.down_proj": [0, 5]}) if mode == "sequential" else {}
+    out = {}
+    for offload in (None, "cpu"):
+        model = copy.deepcopy(base)
+        rep = quantize_model(model, WaterSIC(target_rate=False), calib, 3.0, mode=mode, rate_control=True,
+                             reference=copy.deepcopy(base) if mode == "sequential" else None, with_limit=False,
+                             offload=offload, log=None, **extras)
+        out[offload] = (model, rep)
+    (mem, rep_mem), (off, rep_off) = out[None], out["cpu"]
+    assert [r["layer"] for r in rep_off["layers"]] == [r["layer"] for r in rep_mem["layers"]]
+    for a, b in zip(rep_mem["layers"], rep_off["layers"]):
+        assert a["bits"] == pytest.approx(b["bits"], rel=1e-9) and a.get("q_eps") == b.get("q_eps")
+    for (name, w), w_off in zip(mem.named_parameters(), off.parameters()):
+        torch.testing.assert_close(w_off, w, rtol=0, atol=1e-6, msg=name)
+    assert rep_off["summary"]["bits"] == pytest.approx(rep_mem["summary"]["bits"], rel=1e-12)
+
+
+def test_streamed_blocks_give_the_same_logits(tiny_setup):
+    """``stream_blocks``: the blocks stay in host memory and each visits the device for its own forward (the
+    evaluation's path under ``model.offload``); the logits equal the plain forward's, and removing the hooks ends it."""
+    from lightning_modules.common.quantize.offload import blocks, stream_blocks
+
+    base, calib, _ = tiny_setup
+    model = copy.deepcopy(base)
+    x = calib[0]["input_ids"][:2, :32]
+    with torch.no_grad():
+        want = base(input_ids=x, use_cache=False).logits
+        moved = []
+        handles = stream_blocks(model, "cpu")
+        handles.append(blocks(model)[1].register_forward_pre_hook(lambda m, a: moved.append(1)))
+        got = model(input_ids=x, use_cache=False).logits
+    for h in handles:
+        h.remove()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert moved == [1] and not blocks(model)[1]._forward_pre_hooks
+
+
+@pytest.mark.slow  # two smoke runs: ~2 CPU-min; the driver's and the streaming's equalities run in the default suite
+def test_offload_runs_the_experiment_to_the_same_numbers(tmp_path, tiny_lm_dir):
+    """``model.offload=true`` end to end (the 70B experiment's path: backbone out of the module tree, block-wise
+    quantization, streamed evaluation) gives the in-memory run's metrics; with WaterSIC-FT it stops in one line."""
+    common = ["debug=smoke", "model.n_calib=8", "model.with_limit=false", "model.finetune=null"]
+    _, plain = run_experiment("watersic_tiny", tmp_path / "plain", common)
+    _, offloaded = run_experiment("watersic_tiny", tmp_path / "offload", [*common, "model.offload=true"])
+    assert plain["status"] == offloaded["status"] == "ok"
+    for key in ("test/ppl", "test/ppl_fp", "test/kl_bits", "quant/bits"):
+        assert offloaded["final"][key] == pytest.approx(plain["final"][key], rel=1e-5), key
+    from lightning_modules.watersic.module import WaterSICModule
+
+    with pytest.raises(ValueError, match="model.offload=true"):
+        WaterSICModule({"pretrained": str(tiny_lm_dir)}, offload=True,
+                       finetune={"epochs": 1, "lr": 1e-3, "lr_min": 1e-4, "batch_size": 8})

@@ -73,11 +73,14 @@ class Trained:
 
     ``model``: on the meta device, as the run holds it: ``requires_grad`` marks what trains, each tensor's dtype what is
     stored (an 8-bit base: int8 weights); None for a run with no local model (an API endpoint). ``copies``: frozen full
-    copies of the weights held beside it (π_ref, a full-precision reference). ``checkpointing``: set where the module
+    copies of the weights held beside it (π_ref, a full-precision reference). ``offload_blocks``: the decoder blocks
+    (of the model and its copies) live in host memory and one block at a time visits the GPU (a quantizer's
+    ``model.offload``). ``checkpointing``: set where the module
     turns gradient checkpointing on itself. ``micro_batches``: forwards the module splits each data batch into
     (its own gradient accumulation). ``notes``: one line each, printed under the table."""
     model: Any
     copies: int = 0
+    offload_blocks: bool = False
     checkpointing: bool | None = None
     micro_batches: int = 1
     notes: list[str] = field(default_factory=list)
@@ -294,6 +297,11 @@ def static_memory(cfg: DictConfig, trained: Trained, model_cfg: Mapping[str, Any
     elif st.name == "zero2":
         grads, master, states = grads / W, master / W, states / W
     frozen_copies = trained.copies * weights  # held as the weights are (a deep copy of the sharded module)
+    if trained.offload_blocks:  # every block in host memory (model and copies); the largest visits the GPU
+        in_blocks = sum(p.numel() for layer in decoder_layers(model) for p in layer.parameters()) * weights / max(1, n_total)
+        one = max((sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(model)), default=0) * weights / max(1, n_total)
+        host += (weights + frozen_copies) * W
+        weights, frozen_copies = weights - in_blocks + one, trained.copies * one
     if st.offload_states:
         host += (master + states) * W
         master = states = 0.0

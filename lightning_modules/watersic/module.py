@@ -71,6 +71,9 @@ class WaterSICModule(QuantizeLMModule):
                 raise ValueError("model.finetune (WaterSIC-FT) trains WaterSIC's rescalers: use model/quantizer=watersic")
             if not self.kl and self.mode != "sequential":
                 raise ValueError("model.finetune distils to the full-precision copy: set model.kl=true")
+            if self.offload:
+                raise ValueError("model.finetune with model.offload=true: WaterSIC-FT trains through the whole model on "
+                                 "the GPU; run it without offload, or set model.finetune=null")
 
     def quantize(self, batches: list[dict]) -> dict:
         report = super().quantize(batches)

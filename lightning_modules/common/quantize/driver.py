@@ -31,6 +31,10 @@ reproduce the paper's best runs):
 - ``eps_search`` (``--attn_weighted_adapt_eps_joint`` / ``--qronos_adapt``): per q/k/v group, golden-section search
   (``eps_steps`` = 10 each) over q_eps (statistics (1 − q)·Qronos + q·plain) and then a_eps (the ε above), each
   minimising the relative MSE at the block's ``o_proj`` input over the calibration batches.
+
+``offload`` (a device, e.g. ``cuda``; null = off): the model and its reference stay in host memory and one block at
+a time is quantized on that device from hidden states carried block by block (``offload.py``), so a model larger
+than the GPU (Llama-3-70B on one 80 GB card) runs; same groups, statistics and budget as the in-memory path.
 """
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ from lightning_modules.common.quantize.base import LayerStats, Quantizer
 from lightning_modules.common.quantize.calibration import (MomentCollector, _Stop, capture_inputs, eval_mode,
                                                            run_batch)
 from lightning_modules.common.quantize.limits import layer_limit
+from lightning_modules.common.quantize.offload import BlockwiseRunner, blocks  # noqa: F401 (blocks: imported from here)
 
 MODES = ("plain", "sequential")
 # a residual-writing layer -> the module whose input is the residual its output is added to (HF Llama / Qwen / Mistral)
@@ -53,25 +58,41 @@ QKV = ("q_proj", "k_proj", "v_proj")
 ATTN_OUT = "o_proj"
 
 
-def blocks(model) -> list[torch.nn.Module]:
-    """The repeated transformer blocks: the first non-empty ModuleList."""
-    for mod in model.modules():
-        if isinstance(mod, torch.nn.ModuleList) and len(mod) > 0:
-            return list(mod)
-    raise ValueError(f"{type(model).__name__} has no ModuleList of blocks to quantize")
+class WholeModelRunner:
+    """The in-memory path's captures: the whole model (or its reference) runs up to the module and stops there.
+    ``BlockwiseRunner`` (``offload.py``) gives the same answers from one block at a time."""
+
+    def __init__(self, model, reference, batches: list[dict]):
+        self.model, self.sides, self.batches = model, {"model": model, "reference": reference}, batches
+
+    def capture(self, side: str, module, i: int) -> torch.Tensor:
+        return capture_inputs(self.sides[side], module, self.batches[i])
+
+    def attention_probs(self, attn, i: int) -> torch.Tensor:
+        return _attention_probs(self.sides["reference"], attn, self.batches[i])
+
+
+def _block_linears(model, within, exclude) -> list[tuple[str, torch.nn.Linear]]:
+    names = {id(m): n for n, m in model.named_modules()}
+    linears = [(names[id(m)], m) for blk in within for m in blk.modules() if isinstance(m, torch.nn.Linear)]
+    return [(n, m) for n, m in linears if not any(e in n for e in exclude)]
 
 
 @torch.no_grad()
-def linear_groups(model, batch: dict, exclude: Iterable[str] = ()) -> list[list[tuple[str, torch.nn.Linear]]]:
-    """The quantizable linears, in forward order, grouped by the input tensor they share (found by one probe pass)."""
-    names = {id(m): n for n, m in model.named_modules()}
-    linears = [(names[id(m)], m) for blk in blocks(model) for m in blk.modules() if isinstance(m, torch.nn.Linear)]
-    linears = [(n, m) for n, m in linears if not any(e in n for e in exclude)]
+def linear_groups(model, batch: dict, exclude: Iterable[str] = (), within=None, probe=None
+                  ) -> list[list[tuple[str, torch.nn.Linear]]]:
+    """The quantizable linears, in forward order, grouped by the input tensor they share (found by one probe pass).
+    ``within`` (blocks) and ``probe`` (a call that runs them) limit it to some blocks; default: every block, and the
+    whole model on the batch's first row."""
+    linears = _block_linears(model, blocks(model) if within is None else within, exclude)
     seen: list[tuple[str, torch.nn.Module, torch.Tensor]] = []  # holding the inputs keeps their identity unique
     hooks = [m.register_forward_pre_hook(lambda mod, args, n=n: seen.append((n, mod, args[0])))
              for n, m in linears]
     try:
-        run_batch(model, {k: v[:1] for k, v in batch.items() if torch.is_tensor(v)})
+        if probe is None:
+            run_batch(model, {k: v[:1] for k, v in batch.items() if torch.is_tensor(v)})
+        else:
+            probe()
     finally:
         for h in hooks:
             h.remove()
@@ -104,7 +125,7 @@ def quantize_model(model, quantizer: Quantizer, batches: list[dict], rate: float
                    rate_control: bool = False, reference=None, exclude: Iterable[str] = (),
                    with_limit: bool = True, stats_device: str | None = None, residual_compensation: bool = False,
                    attn_weighted_qkv: float | None = None, zero_out_rows: dict | None = None, eps_search: bool = False,
-                   eps_steps: int = 10, log=print) -> dict:
+                   eps_steps: int = 10, offload: str | None = None, log=print) -> dict:
     """Quantize ``model`` in place; returns {"layers": [...], "summary": {...}, "factors": {name: (t, g)}} (the
     diagonal factors of each factored Ŵ = diag(t)·A·diag(g), WaterSIC's, for WaterSIC-FT), "input_scales"
     {name: s} (AWQ's per-input-channel scales, for an activation quantizer that must see x/s) and "grids"
@@ -112,7 +133,8 @@ def quantize_model(model, quantizer: Quantizer, batches: list[dict], rate: float
     A batch may carry ``token_weight`` (B×S, c_j ≥ 0): every Σ is then Σ_j c_j x_j x_jᵀ / Σ_j c_j (dllmquant's CGQ).
 
     ``stats_device``: where plain mode keeps its float64 Σ accumulators (e.g. ``cpu`` when all layers' Σ do not fit
-    beside the model); each layer's Σ is moved to the weight's device when it is quantized."""
+    beside the model); each layer's Σ is moved to the weight's device when it is quantized. ``offload``: a device;
+    the models stay in host memory and each block is quantized there in turn (module doc)."""
     if mode not in MODES:
         raise ValueError(f"quantize mode={mode!r}: use one of {MODES}")
     if not batches:
@@ -123,63 +145,86 @@ def quantize_model(model, quantizer: Quantizer, batches: list[dict], rate: float
     if attn_weighted_qkv is not None and not 0.0 <= attn_weighted_qkv <= 1.0:
         raise ValueError(f"attn_weighted_qkv={attn_weighted_qkv}: ε mixes weighted and plain statistics, use 0..1")
     zero_out_rows = dict(zero_out_rows or {})
-    with eval_mode(model):
-        groups = linear_groups(model, batches[0], exclude)
-        total = sum(m.weight.numel() for g in groups for _, m in g)
+    sequential = mode == "sequential"
+    if sequential and reference is None:
+        reference = copy.deepcopy(model)
+    ref_modules = dict(reference.named_modules()) if reference is not None else {}
+    with eval_mode(model, *([reference] if reference is not None else [])):
+        if offload is None:
+            runner = WholeModelRunner(model, reference, batches)
+            groups = linear_groups(model, batches[0], exclude)
+            total = sum(m.weight.numel() for g in groups for _, m in g)
+            stages = [groups]
+        else:
+            runner = BlockwiseRunner(model, reference, batches, offload, sequential, attn_weighted_qkv is not None)
+            total = sum(m.weight.numel() for _, m in _block_linears(model, blocks(model), exclude))
+            stages = _block_stages(model, runner, exclude)
         budget_bits, budget_weights = rate * total, total
         budgeted = rate_control and quantizer.fractional_rate
         rows: list[dict] = []
-        plain_stats, eps, factors, input_scales, grids = {}, {}, {}, {}, {}
-        if mode == "plain":
-            with MomentCollector({g[0][0]: g[0][1] for g in groups}, device=stats_device) as col:
-                for b in batches:
-                    col.weight = b.get("token_weight")  # per-token weights c_j (dllmquant's CGQ), None = all 1
-                    run_batch(model, b)
-            plain_stats = {k: LayerStats(v, tokens=col.counts[k]) for k, v in col.moments().items()}
-        else:
-            reference = reference if reference is not None else copy.deepcopy(model)
-            ref_modules = dict(reference.named_modules())
-        for group in groups:
-            key = group[0][0]
-            if mode == "plain":
-                dev = group[0][1].weight.device
-                stats = LayerStats(plain_stats.pop(key).sigma.to(dev), tokens=0)
-            else:
-                extras = {"residual": residual_compensation, "a_eps": attn_weighted_qkv}
-                if eps_search and _is_qkv(group):
-                    now = min(16.0, max(0.05, budget_bits / budget_weights)) if budgeted else rate
-                    extras = _search_eps(model, reference, ref_modules, group, batches, quantizer, now, extras,
-                                         eps_steps, log)
-                stats = _sequential_stats(model, reference, ref_modules, group, batches, **extras)
-                eps = {k: extras[k] for k in ("q_eps", "a_eps") if extras.get(k) is not None and _is_qkv(group)}
-            for name, mod in group:
-                target = rate
-                if budgeted:
-                    target = min(16.0, max(0.05, budget_bits / budget_weights))
-                t0 = time.time()
-                w = mod.weight.detach().double()
-                zero = sorted({int(i) for k, v in zero_out_rows.items() if k in name for i in v})
-                w_hat, rep = quantize_rows(quantizer, w, stats, target, budgeted, zero)
-                if "factors" in rep:
-                    factors[name] = rep.pop("factors")
-                if "input_scale" in rep:
-                    input_scales[name] = rep.pop("input_scale")
-                if "grid" in rep:
-                    grids[name] = rep.pop("grid")
-                mod.weight.copy_(w_hat.to(mod.weight.dtype))
-                mse = stats.output_error(w, w_hat)
-                row = {"layer": name, "rows": w.shape[0], "cols": w.shape[1], "target": target, "zeroed_rows": len(zero),
-                       **rep, **eps, "mse": mse,
-                       "rel_mse": mse / max(stats.signal_power(w), 1e-300), "time_s": time.time() - t0}
-                if with_limit:
-                    row["rd_limit"] = layer_limit(w, stats.sigma, mse)
-                rows.append(row)
-                budget_bits -= row["bits"] * w.numel()
-                budget_weights -= w.numel()
-                if log:
-                    log(f"[quantize] {name}: {row['bits']:.3f} bits, rel. output MSE {row['rel_mse']:.4g}")
+        eps, factors, input_scales, grids = {}, {}, {}, {}
+        for groups in stages:
+            plain_stats = {}
+            if not sequential:
+                keys = {g[0][0]: g[0][1] for g in groups}
+                weights = [b.get("token_weight") for b in batches]  # per-token c_j (dllmquant's CGQ), None = all 1
+                if offload is None:
+                    with MomentCollector(keys, device=stats_device) as col:
+                        for b, w in zip(batches, weights):
+                            col.weight = w
+                            run_batch(model, b)
+                    moments, counts = col.moments(), col.counts
+                else:
+                    moments, counts = runner.plain_moments(keys, stats_device, weights)
+                plain_stats = {k: LayerStats(v, tokens=counts[k]) for k, v in moments.items()}
+            for group in groups:
+                key = group[0][0]
+                if not sequential:
+                    dev = group[0][1].weight.device
+                    stats = LayerStats(plain_stats.pop(key).sigma.to(dev), tokens=0)
+                else:
+                    extras = {"residual": residual_compensation, "a_eps": attn_weighted_qkv}
+                    if eps_search and _is_qkv(group):
+                        now = min(16.0, max(0.05, budget_bits / budget_weights)) if budgeted else rate
+                        extras = _search_eps(runner, ref_modules, group, batches, quantizer, now, extras, eps_steps,
+                                             log)
+                    stats = _sequential_stats(runner, ref_modules, group, batches, **extras)
+                    eps = {k: extras[k] for k in ("q_eps", "a_eps") if extras.get(k) is not None and _is_qkv(group)}
+                for name, mod in group:
+                    target = rate
+                    if budgeted:
+                        target = min(16.0, max(0.05, budget_bits / budget_weights))
+                    t0 = time.time()
+                    w = mod.weight.detach().double()
+                    zero = sorted({int(i) for k, v in zero_out_rows.items() if k in name for i in v})
+                    w_hat, rep = quantize_rows(quantizer, w, stats, target, budgeted, zero)
+                    if "factors" in rep:
+                        factors[name] = rep.pop("factors")
+                    if "input_scale" in rep:
+                        input_scales[name] = rep.pop("input_scale")
+                    if "grid" in rep:
+                        grids[name] = rep.pop("grid")
+                    mod.weight.copy_(w_hat.to(mod.weight.dtype))
+                    mse = stats.output_error(w, w_hat)
+                    row = {"layer": name, "rows": w.shape[0], "cols": w.shape[1], "target": target,
+                           "zeroed_rows": len(zero), **rep, **eps, "mse": mse,
+                           "rel_mse": mse / max(stats.signal_power(w), 1e-300), "time_s": time.time() - t0}
+                    if with_limit:
+                        row["rd_limit"] = layer_limit(w, stats.sigma, mse)
+                    rows.append(row)
+                    budget_bits -= row["bits"] * w.numel()
+                    budget_weights -= w.numel()
+                    if log:
+                        log(f"[quantize] {name}: {row['bits']:.3f} bits, rel. output MSE {row['rel_mse']:.4g}")
     return {"layers": rows, "summary": _summary(rows), "factors": factors, "input_scales": input_scales,
             "grids": grids}
+
+
+def _block_stages(model, runner: BlockwiseRunner, exclude):
+    """The offloaded path's stages: per block (on the device for the stage), its groups found by running it alone."""
+    for index in runner.stages():
+        block = runner.layers["model"][index]
+        yield linear_groups(model, {}, exclude, within=[block], probe=lambda: runner._run("model", 0))
 
 
 def quantize_rows(quantizer: Quantizer, w: torch.Tensor, stats: LayerStats, rate: float, rate_control: bool,
@@ -232,8 +277,18 @@ def attention_token_weights(model, block_prefix: str, batch: dict) -> torch.Tens
     """Per-token attention importance in one block (B×S): the attention mass each token receives, summed over
     queries and averaged over heads, normalised to mean 1 over the (unpadded) tokens. Runs the attention in
     ``eager`` mode (the one that returns its probabilities) and stops the forward after that block's attention."""
-    mods = dict(model.named_modules())
-    attn = mods[block_prefix + ".self_attn"]
+    attn = dict(model.named_modules())[block_prefix + ".self_attn"]
+    return token_weights(_attention_probs(model, attn, batch), batch.get("attention_mask"))
+
+
+def token_weights(probs: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """(B, heads, S, S) attention probabilities -> (B, S) attention received, mean 1 over the unpadded tokens."""
+    w = probs.double().mean(1).sum(1)  # (B, S): mean over heads, sum over queries
+    mask = torch.ones_like(w) if mask is None else mask.to(w)
+    return w * mask / (w * mask).sum() * mask.sum()
+
+
+def _attention_probs(model, attn, batch: dict) -> torch.Tensor:
     box = {}
 
     def hook(mod, args, out):
@@ -253,14 +308,11 @@ def attention_token_weights(model, block_prefix: str, batch: dict) -> torch.Tens
         if impl not in (None, "eager"):
             model.set_attn_implementation(impl)
     if box.get("p") is None:
-        raise RuntimeError(f"{block_prefix}.self_attn returned no attention probabilities")
-    w = box["p"].double().mean(1).sum(1)  # (B, S): mean over heads, sum over queries
-    mask = batch.get("attention_mask")
-    mask = torch.ones_like(w) if mask is None else mask.to(w)
-    return w * mask / (w * mask).sum() * mask.sum()
+        raise RuntimeError("the attention layer returned no attention probabilities")
+    return box["p"]
 
 
-def _sequential_stats(model, reference, ref_modules, group, batches, residual: bool = False,
+def _sequential_stats(runner, ref_modules, group, batches, residual: bool = False,
                       a_eps: float | None = None, q_eps: float = 0.0) -> LayerStats:
     """Qronos statistics of one group's shared input over the calibration batches (module doc for the extras).
     ``q_eps`` blends toward plain statistics: Σ_X̂, Σ_{XX̂} ← (1 − q)·(Qronos) + q·Σ_X (q = 1: plain mode's Σ)."""
@@ -271,35 +323,35 @@ def _sequential_stats(model, reference, ref_modules, group, batches, residual: b
     weighted = a_eps is not None and _is_qkv(group)
     acc: dict[str, torch.Tensor] = {}
     count = 0.0
-    mods = dict(model.named_modules())
+    mods = dict(runner.model.named_modules())
 
     def add(key, val):
         acc[key] = acc[key] + val if key in acc else val
 
-    with eval_mode(reference):
-        for b in batches:
-            x = capture_inputs(reference, ref_mod, b)
-            xh = capture_inputs(model, mod, b).to(x.device)
-            keep = b["attention_mask"].reshape(-1).bool().to(x.device) if b.get("attention_mask") is not None else None
-            flat = lambda t: t.reshape(-1, t.shape[-1]).double() if keep is None else t.reshape(-1, t.shape[-1]).double()[keep]
-            x, xh = flat(x), flat(xh)
-            tok = torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
-            if weighted:
-                aw = attention_token_weights(reference, prefix, b).reshape(-1).to(x.device)
-                aw = aw if keep is None else aw[keep]
-                tok = (1 - a_eps) * aw + a_eps * tok
-            if b.get("token_weight") is not None:  # per-token weights c_j (dllmquant's CGQ)
-                c = b["token_weight"].reshape(-1).to(x)
-                tok = tok * (c if keep is None else c[keep])
-            xw = x * tok.unsqueeze(1)
-            add("sig_h", (xh * tok.unsqueeze(1)).T @ xh)
-            add("cross", xw.T @ xh)
-            add("sig_x", xw.T @ x)
-            if source is not None:
-                r = flat(capture_inputs(reference, ref_modules[f"{prefix}.{source}"], b))
-                rh = flat(capture_inputs(model, mods[f"{prefix}.{source}"], b).to(x.device))
-                add("res", ((r - rh) * tok.unsqueeze(1)).T @ xh)
-            count += float(tok.sum())  # Σ c_j: the weighted mean (the token count when unweighted)
+    for i, b in enumerate(batches):
+        x = runner.capture("reference", ref_mod, i)
+        xh = runner.capture("model", mod, i).to(x.device)
+        keep = b["attention_mask"].reshape(-1).bool().to(x.device) if b.get("attention_mask") is not None else None
+        flat = lambda t: t.reshape(-1, t.shape[-1]).double() if keep is None else t.reshape(-1, t.shape[-1]).double()[keep]
+        x, xh = flat(x), flat(xh)
+        tok = torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
+        if weighted:
+            probs = runner.attention_probs(ref_modules[prefix + ".self_attn"], i)
+            aw = token_weights(probs, b.get("attention_mask")).reshape(-1).to(x.device)
+            aw = aw if keep is None else aw[keep]
+            tok = (1 - a_eps) * aw + a_eps * tok
+        if b.get("token_weight") is not None:  # per-token weights c_j (dllmquant's CGQ)
+            c = b["token_weight"].reshape(-1).to(x)
+            tok = tok * (c if keep is None else c[keep])
+        xw = x * tok.unsqueeze(1)
+        add("sig_h", (xh * tok.unsqueeze(1)).T @ xh)
+        add("cross", xw.T @ xh)
+        add("sig_x", xw.T @ x)
+        if source is not None:
+            r = flat(runner.capture("reference", ref_modules[f"{prefix}.{source}"], i))
+            rh = flat(runner.capture("model", mods[f"{prefix}.{source}"], i).to(x.device))
+            add("res", ((r - rh) * tok.unsqueeze(1)).T @ xh)
+        count += float(tok.sum())  # Σ c_j: the weighted mean (the token count when unweighted)
     if q_eps:  # blend toward plain statistics (x̂ = x)
         acc["sig_h"] = (1 - q_eps) * acc["sig_h"] + q_eps * acc["sig_x"]
         acc["cross"] = (1 - q_eps) * acc["cross"] + q_eps * acc["sig_x"]
@@ -330,23 +382,23 @@ def golden_section(f, lo: float, hi: float, steps: int = 10) -> tuple[float, flo
     return arg, val
 
 
-def _search_eps(model, reference, ref_modules, group, batches, quantizer, rate, extras, steps, log) -> dict:
+def _search_eps(runner, ref_modules, group, batches, quantizer, rate, extras, steps, log) -> dict:
     """The joint ε search for one q/k/v group: q_eps, then a_eps (if attention weighting is on), each by golden
     section on [0, 1], minimising the relative MSE at the block's o_proj input; the group is restored after each
     trial. Returns the statistics' keyword arguments with the chosen ε."""
     prefix = _block_prefix(group[0][0])
     probe_name = f"{prefix}.self_attn.{ATTN_OUT}"
-    mods = dict(model.named_modules())
+    mods = dict(runner.model.named_modules())
     saved = [m.weight.detach().clone() for _, m in group]
-    ref_in = [capture_inputs(reference, ref_modules[probe_name], b).double() for b in batches]
+    ref_in = [runner.capture("reference", ref_modules[probe_name], i).double() for i in range(len(batches))]
 
     def rel_mse(kw) -> float:
-        stats = _sequential_stats(model, reference, ref_modules, group, batches, **kw)
+        stats = _sequential_stats(runner, ref_modules, group, batches, **kw)
         try:
             for _, m in group:
                 m.weight.copy_(quantizer.quantize(m.weight.detach().double(), stats, rate).weight.to(m.weight.dtype))
-            err = sum(float(((capture_inputs(model, mods[probe_name], b).double().to(r.device) - r) ** 2).sum())
-                      for b, r in zip(batches, ref_in))
+            err = sum(float(((runner.capture("model", mods[probe_name], i).double().to(r.device) - r) ** 2).sum())
+                      for i, r in enumerate(ref_in))
         finally:
             for (_, m), w in zip(group, saved):
                 m.weight.copy_(w)

@@ -48,6 +48,10 @@ class QuantizeLMModule(CausalLMModule):
         export_packed: a directory (e.g. ``${paths.output_dir}/packed``): after quantization every quantized linear
             is packed to 4 bits in place (``export.py``: rtn, gptq, awq; WaterSIC cannot) and the checkpoint written
             there; the test loop then runs the packed model, and ``quant/bytes_*`` report its size. null = off.
+        offload: keep the backbone and its reference in host memory and bring one block at a time to the GPU: the
+            driver quantizes block by block from carried hidden states and the evaluation streams the blocks
+            (``offload.py``), so a model larger than one GPU runs on one (Llama-3-70B on an 80 GB card). Off by
+            default: a model that fits runs faster on the GPU whole.
         method: removed (the old string registry); set, it fails with one line naming ``model/quantizer=<name>``.
     """
 
@@ -58,7 +62,7 @@ class QuantizeLMModule(CausalLMModule):
                  eval_batch_size: int = 4, stats_device: str | None = None, residual_compensation: bool = False,
                  attn_weighted_qkv: float | None = None, zero_out_rows: Mapping[str, list[int]] | None = None,
                  eps_search: bool = False, eps_steps: int = 10, export_packed: str | None = None, optimizer=None,
-                 scheduler=None, weight_decay: float = 0.0, method: str | None = None):
+                 scheduler=None, weight_decay: float = 0.0, offload: bool = False, method: str | None = None):
         if method is not None:
             raise ValueError(f"model.method={method} is gone: choose the quantizer with model/quantizer={method}")
         quantizer = self.default_quantizer() if quantizer is None else quantizer
@@ -82,9 +86,16 @@ class QuantizeLMModule(CausalLMModule):
             raise ValueError(f"model.export_packed: {quantizer.name} cannot be packed to 4 bits: "
                              f"{quantizer.no_grid_reason}; use model/quantizer=rtn|gptq, or unset export_packed")
         self.export_packed = export_packed
+        self.offload = offload
         self._reference: list = []  # a list, so the copy is not registered as a submodule (or checkpointed)
         self.quantized = False
         self.results: dict = {}
+
+    def configure_model(self) -> None:
+        if not self.offload or self.model is not None:
+            return super().configure_model()
+        # kept out of the module tree, so Lightning's move to the GPU leaves it in host memory (``offload``)
+        object.__setattr__(self, "model", self.build_model().eval())
 
     @staticmethod
     def default_quantizer() -> Quantizer:
@@ -101,6 +112,10 @@ class QuantizeLMModule(CausalLMModule):
         if model_cfg.get("kl", True) or model_cfg.get("mode") == "sequential":
             trained.copies = 1
             trained.notes.append("a full-precision reference copy is held beside the quantized model")
+        if model_cfg.get("offload"):
+            trained.offload_blocks = True
+            trained.notes.append("model.offload: the blocks stay in host memory; one (and its reference) on the GPU "
+                                 "at a time, plus the calibration hidden states in host memory")
         return trained
 
     @property
@@ -125,7 +140,13 @@ class QuantizeLMModule(CausalLMModule):
             self._reference = [copy.deepcopy(self.model).eval().requires_grad_(False)]
         report = quantize_model(self.model, self.quantizer, batches, self.rate,
                                 mode=self.mode, rate_control=self.rate_control, reference=self.reference,
-                                with_limit=self.with_limit, stats_device=self.stats_device, **self.extras)
+                                with_limit=self.with_limit, stats_device=self.stats_device,
+                                offload=str(self.device) if self.offload else None, **self.extras)
+        if self.offload:  # evaluation forwards: each block visits the GPU in turn
+            from lightning_modules.common.quantize.offload import stream_blocks
+
+            for m in filter(None, (self.model, self.reference)):
+                stream_blocks(m, self.device)
         self.quantized = True
         self.results = {"quantization": {"method": self.method, "mode": self.mode, "target_rate": self.rate,
                                          **report["summary"]}, "layers": report["layers"]}
