@@ -193,14 +193,18 @@ def kernel_rows(device: str, quick: bool) -> list[dict]:
     return rows(CUDA_LENGTHS if device == "cuda" else LENGTHS)
 
 
-def markdown(doc: dict) -> list[str]:
+def markdown(doc: dict, first: bool = True) -> list[str]:
     """The report's section from a written results file (``--out``): per case, implementation and N the peak memory
-    and time, and both relative to causal SDPA at that N (the yardstick)."""
-    lines = ["## Attention at length, CPU", "",
-             f"One attention layer (8 heads x 64, fp32), forward + backward, each cell a fresh process; `sdpa_dense` is "
-             f"the dense-mask path, `auto` the default (block-wise on CPU), `sdpa` plain causal SDPA. Measured at "
-             f"`{doc['commit']}` ({doc['date']}, {doc['machine']['cores']} cores, {doc['threads']} threads per cell):", "",
-             f"    {doc['command']}", "",
+    and time, and both relative to causal SDPA at that N (the yardstick). ``first=False``: a further file's table
+    (another command, e.g. a longer length), under the first one's heading."""
+    head = ["## Attention at length, CPU", "",
+            "One attention layer (8 heads x 64, fp32), forward + backward, each cell a fresh process; `sdpa_dense` is "
+            "the dense-mask path, `auto` the default (block-wise on CPU), `sdpa` plain causal SDPA.", ""] if first else []
+    skipped = [] if any(r["impl"] == "sdpa_dense" for r in doc["rows"]) else [
+        "The dense-mask path was not run by this command (its N x N masks and scores are what the table's shorter "
+        "lengths show growing quadratically).", ""]
+    lines = [*head, f"Measured at `{doc['commit']}` ({doc['date']}, {doc['machine']['cores']} cores, {doc['threads']} "
+             f"threads per cell):", "", f"    {doc['command']}", "", *skipped,
              "| case | impl | N | peak MiB | ms | peak / causal | time / causal |", "|---|---|---:|---:|---:|---:|---:|"]
     for r in doc["rows"]:
         if "error" in r:

@@ -179,7 +179,7 @@ def changes(d: dict) -> list[str]:
 
 
 def render(docs: list[dict], figures_prefix: str = "results/", coverage: list[str] | None = None,
-           tiny: list[dict] = (), run_log: dict | None = None, attention: dict | None = None) -> str:
+           tiny: list[dict] = (), run_log: dict | None = None, attention: dict | list[dict] | None = None) -> str:
     """The report; ``coverage`` (``benchmarks.tables.render_coverage()``) adds which tables have a paper-scale run,
     ``tiny`` (``benchmarks.tiny_runs.load_tiny()``) the full tiny runs, ``run_log`` (:func:`load_run_log`) the last
     ``python -m benchmarks.all``, ``attention`` (``python -m benchmarks.attention``'s results file) the CPU scaling
@@ -225,7 +225,8 @@ def render(docs: list[dict], figures_prefix: str = "results/", coverage: list[st
     if attention:
         from benchmarks.attention import markdown
 
-        out += ["", *markdown(attention)]
+        for i, doc in enumerate(attention if isinstance(attention, list) else [attention]):
+            out += ["", *markdown(doc, first=i == 0)]
     return "\n".join(out).rstrip("\n") + "\n"
 
 
@@ -234,7 +235,8 @@ def render_results(docs: list[dict], results: Path = RESULTS, figures_prefix: st
     last ``benchmarks.all`` log and the attention scaling table found beside the results."""
     return render(docs, figures_prefix, coverage=render_coverage(), tiny=load_tiny(),
                   run_log=load_run_log(results / "all" / "run.json"),
-                  attention=load_run_log(results / "attention" / "cpu.json"))
+                  attention=[load_run_log(f) for f in sorted((results / "attention").glob("cpu*.json"),
+                                                             key=lambda f: (f.name != "cpu.json", f.name))])
 
 
 def main(argv=None) -> Path:

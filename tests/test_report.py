@@ -237,3 +237,11 @@ def test_report_renders_the_attention_scaling_table(tmp_path):
     assert "| hici_shift_g | auto | 4096 | 60.0 | 30.0 | 1.50 | 1.50 |" in md
     assert "| hici_shift_g | sdpa_dense | 4096 | — | — | — | killed: out of memory |" in md
     assert "Attention at length" not in render([doc])
+    longer = {**att, "command": "python -m benchmarks.attention --lengths 16384 --impls auto",
+              "rows": [{"case": "causal", "impl": "sdpa", "n": 16384, "peak_MiB": 160.0, "ms": 80.0},
+                       {"case": "hici_shift_g", "impl": "auto", "n": 16384, "peak_MiB": 200.0, "ms": 90.0,
+                        "mem_x": 1.25, "time_x": 1.125}]}
+    both = render([doc], attention=[att, longer])
+    assert both.count("## Attention at length, CPU") == 1 and "    python -m benchmarks.attention --lengths 16384" in both
+    assert "| hici_shift_g | auto | 16384 | 200.0 | 90.0 | 1.25 | 1.12 |" in both
+    assert both.count("The dense-mask path was not run by this command") == 1  # only the file without it
