@@ -85,21 +85,33 @@ class MomentCollector:
 @torch.no_grad()
 def capture_inputs(model, module: torch.nn.Module, batch: dict) -> torch.Tensor:
     """The input of ``module`` when ``model`` runs on ``batch`` (the forward stops right there)."""
+    return stop_at(module, lambda: run_batch(model, batch))
+
+
+def stop_at(module: torch.nn.Module, run, output_index: int | None = None) -> torch.Tensor:
+    """Call ``run()`` (a forward that passes through ``module``) and stop it at ``module``: its input, or with
+    ``output_index`` that element of its output (e.g. 1: an eager attention's probabilities)."""
     box = {}
 
-    def hook(mod, args):
+    def before(mod, args):
         box["x"] = args[0].detach()
         raise _Stop
 
-    handle = module.register_forward_pre_hook(hook)
+    def after(mod, args, out):
+        box["x"] = out[output_index].detach() if out[output_index] is not None else None
+        raise _Stop
+
+    handle = (module.register_forward_pre_hook(before) if output_index is None
+              else module.register_forward_hook(after))
     try:
-        run_batch(model, batch)
+        run()
     except _Stop:
         pass
     finally:
         handle.remove()
-    if "x" not in box:
-        raise RuntimeError("the calibration forward pass never reached the layer being quantized")
+    if box.get("x") is None:
+        raise RuntimeError(f"the forward pass never produced what it should capture at {type(module).__name__} "
+                           f"({'its input' if output_index is None else f'output {output_index}'})")
     return box["x"]
 
 

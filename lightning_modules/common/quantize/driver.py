@@ -46,8 +46,8 @@ from typing import Iterable
 import torch
 
 from lightning_modules.common.quantize.base import LayerStats, Quantizer
-from lightning_modules.common.quantize.calibration import (MomentCollector, _Stop, capture_inputs, eval_mode,
-                                                           run_batch)
+from lightning_modules.common.quantize.calibration import (MomentCollector, capture_inputs, eval_mode, run_batch,
+                                                           stop_at)
 from lightning_modules.common.quantize.limits import layer_limit
 from lightning_modules.common.quantize.offload import BlockwiseRunner, blocks  # noqa: F401 (blocks: imported from here)
 
@@ -289,27 +289,14 @@ def token_weights(probs: torch.Tensor, mask: torch.Tensor | None) -> torch.Tenso
 
 
 def _attention_probs(model, attn, batch: dict) -> torch.Tensor:
-    box = {}
-
-    def hook(mod, args, out):
-        box["p"] = out[1].detach()
-        raise _Stop
-
     impl = getattr(model.config, "_attn_implementation", None)
-    handle = attn.register_forward_hook(hook)
+    if impl != "eager":
+        model.set_attn_implementation("eager")
     try:
-        if impl != "eager":
-            model.set_attn_implementation("eager")
-        run_batch(model, batch)
-    except _Stop:
-        pass
+        return stop_at(attn, lambda: run_batch(model, batch), output_index=1)
     finally:
-        handle.remove()
         if impl not in (None, "eager"):
             model.set_attn_implementation(impl)
-    if box.get("p") is None:
-        raise RuntimeError("the attention layer returned no attention probabilities")
-    return box["p"]
 
 
 def _sequential_stats(runner, ref_modules, group, batches, residual: bool = False,

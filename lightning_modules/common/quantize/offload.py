@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_modules.common.quantize.calibration import MomentCollector, _Stop
+from lightning_modules.common.quantize.calibration import MomentCollector, _Stop, stop_at
 
 SIDES = ("model", "reference")
 
@@ -120,44 +120,18 @@ class BlockwiseRunner:
     def capture(self, side: str, module, i: int) -> torch.Tensor:
         """The input of ``module`` (inside the current block) on batch ``i``, for the quantized model or the
         full-precision reference."""
-        box = {}
-
-        def hook(mod, args):
-            box["x"] = args[0].detach()
-            raise _Stop
-
-        handle = module.register_forward_pre_hook(hook)
-        try:
-            self._run(side, i)
-        except _Stop:
-            pass
-        finally:
-            handle.remove()
-        if "x" not in box:
-            raise RuntimeError("the block's forward never reached the layer being quantized")
-        return box["x"]
+        return stop_at(module, lambda: self._run(side, i))
 
     def attention_probs(self, attn, i: int) -> torch.Tensor:
         """The reference block's attention probabilities on batch ``i`` (eager attention returns them)."""
-        box = {}
-
-        def hook(mod, args, out):
-            box["p"] = out[1].detach()
-            raise _Stop
-
         impl = self.reference.config._attn_implementation
-        handle = attn.register_forward_hook(hook)
+        if impl != "eager":
+            self.reference.set_attn_implementation("eager")
         try:
-            if impl != "eager":
-                self.reference.set_attn_implementation("eager")
-            self._run("reference", i, self.eager_kwargs[i])
-        except _Stop:
-            pass
+            return stop_at(attn, lambda: self._run("reference", i, self.eager_kwargs[i]), output_index=1)
         finally:
-            handle.remove()
             if impl != "eager":
                 self.reference.set_attn_implementation(impl)
-        return box["p"]
 
     def plain_moments(self, keys: dict, stats_device, weights: list) -> tuple[dict, dict]:
         """Σ of each group's input over the batches, the block still in full precision, carrying the hidden states
