@@ -199,6 +199,20 @@ def test_grown_model_generates_with_cache_as_without_and_survives_save_and_reloa
     torch.testing.assert_close(logits(back, x), logits(g, x))
 
 
+def test_parameter_counts_under_zero3_partitioning_are_the_full_counts():
+    """DeepSpeed ZeRO-3 leaves each rank an empty local tensor and the full size in ``ds_numel`` / ``ds_shape``: the
+    counts (and the router's expert count, which divided by zero in the growth dry run) come out as unpartitioned."""
+    from lightning_modules.common.backbone import count_parameters
+
+    model = olmoe()
+    want, want_total = parameter_counts(model), count_parameters(model)
+    for p in model.parameters():
+        p.ds_numel, p.ds_shape = p.numel(), p.shape
+        p.data = torch.empty(0, dtype=p.dtype)
+    assert sum(p.numel() for p in model.parameters()) == 0
+    assert parameter_counts(model) == want and count_parameters(model) == want_total
+
+
 def test_parameter_counts_after_growth_match_the_formula():
     src = mixtral(torch.float32)
     kv = 2 * (H // 4)  # two KV heads of head_dim H/4

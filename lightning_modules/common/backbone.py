@@ -95,6 +95,17 @@ def build_backbone(spec: Mapping[str, Any], meta: bool = False):
     return model
 
 
+def numel(p: torch.Tensor) -> int:
+    """A parameter's element count, also once DeepSpeed ZeRO-3 has partitioned it (its local tensor is then empty and
+    ``ds_numel`` holds the full count)."""
+    return getattr(p, "ds_numel", None) or p.numel()
+
+
+def shape(p: torch.Tensor) -> tuple[int, ...]:
+    """A parameter's full shape, also under ZeRO-3 partitioning (``ds_shape``)."""
+    return tuple(getattr(p, "ds_shape", None) or p.shape)
+
+
 def count_parameters(model, non_embedding: bool = False) -> int:
     """Parameters of a model; ``non_embedding`` leaves out token/position embeddings and an untied LM head,
     as scaling-law papers count N."""
@@ -111,5 +122,5 @@ def count_parameters(model, non_embedding: bool = False) -> int:
         if id(p) in seen or id(p) in skip:
             continue
         seen.add(id(p))
-        total += p.numel()
+        total += numel(p)
     return total

@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 import lightning as L
 import torch
 
-from lightning_modules.common.backbone import build_backbone, count_parameters
+from lightning_modules.common.backbone import build_backbone, count_parameters, numel
 
 
 def _plain(obj):
@@ -173,7 +173,7 @@ class CausalLMModule(L.LightningModule):
             return {}
         return {"params/total": count_parameters(self.model),
                 "params/non_embedding": count_parameters(self.model, non_embedding=True),
-                "params/trainable": sum(p.numel() for p in self.model.parameters() if p.requires_grad)}
+                "params/trainable": sum(numel(p) for p in self.model.parameters() if p.requires_grad)}
 
 
 def warmup_cosine(optimizer, warmup_steps: int, total_steps: int, min_ratio: float = 0.1):

@@ -42,6 +42,8 @@ import copy
 import torch
 from torch import nn
 
+from lightning_modules.common.backbone import numel, shape
+
 DEPTH_METHODS = ("interposition", "stack")
 PLACEMENTS = ("append", "interleave")
 SIGMA_OVER = ("expert", "matrix", "tensor")
@@ -237,11 +239,11 @@ def grow_width(model, factor: int = 2, alpha: float = 0.01, sigma_over: str = "e
 
 def parameter_counts(model) -> dict[str, int]:
     """Total and active parameters (all parameters minus the experts a token does not use: (E - k)/E of them)."""
-    total = sum(p.numel() for p in model.parameters())
+    total = sum(numel(p) for p in model.parameters())  # ZeRO-3 partitions: the full counts, not the local ones
     inactive = 0
     for block in moe_blocks(model):
-        E, k = block.gate.weight.shape[0], block.gate.top_k
-        expert_params = sum(p.numel() for p in block.experts.parameters())
+        E, k = shape(block.gate.weight)[0], block.gate.top_k
+        expert_params = sum(numel(p) for p in block.experts.parameters())
         inactive += expert_params * (E - k) // E
     return {"total": total, "active": total - inactive}
 
