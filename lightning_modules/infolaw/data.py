@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
+from datamodules.common.miniature import register_layout
 from datamodules.common.sampling import StepStreamSampler
 from datamodules.common.splits import unit_hash
 from datamodules.text import PackedTokens, TextDataModule
@@ -229,3 +230,21 @@ class MixtureDataModule(TextDataModule):
             if b["quality"] is not None:
                 out[f"s_{name}"] = float(b["quality"])
         return out
+
+
+@register_layout("infolaw/shards/*")
+def write_bucket_shards(target, cfg) -> None:
+    """A quality bucket (or the clean ``eval`` set) as ``python -m datamodules.common.shards`` builds it, from
+    miniature documents tokenized with the run's tokenizer; ``eval`` gets its val and test splits."""
+    from hydra.utils import instantiate
+
+    from datamodules.common.miniature import documents, write_jsonl
+    from datamodules.common.shards import build_shards
+
+    source = target.parent / f"{target.name}.text.jsonl"
+    source.parent.mkdir(parents=True, exist_ok=True)
+    seed = sum(map(ord, target.name))  # a different text per bucket, the same every run
+    write_jsonl(source, [{"text": d} for d in documents(seed=seed)])
+    fraction = 0.3 if target.name == "eval" else 0.0
+    build_shards([source], instantiate(cfg.data.tokenizer), target, val_fraction=fraction, test_fraction=fraction,
+                 progress=False)
