@@ -28,8 +28,10 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(
     os.environ.get("PAPERLAB_CACHE", os.path.expanduser("~/.cache/paperlab")), "torch_extensions"))
 
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from lightning.fabric.utilities.seed import reset_seed  # noqa: E402
+
+from callbacks.deepspeed_strategy import DeepSpeedStrategy  # noqa: E402  (the loss divided by accumulation once)
 
 
 class CPUDeepSpeedStrategy(DeepSpeedStrategy):

@@ -14,15 +14,18 @@ pytestmark = pytest.mark.slow
 CLIP = 0.01  # the recipe's 0.3 does not bite on this tiny model's small HiCI gradients at init
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_hici_clip_survives_deepspeed_zero(stage, tmp_path):
+@pytest.mark.parametrize("stage,accumulate", [(2, 1), (3, 1), (2, 2)])
+def test_hici_clip_survives_deepspeed_zero(stage, accumulate, tmp_path):
+    """``accumulate`` 2: DeepSpeed accumulates inside its engine and Lightning calls the optimizer hooks on every
+    micro-batch; the clip must wait for the boundary (the full gradient does not exist before it: the paper-scale
+    recipe's 16-step accumulation stopped at its first micro-batch)."""
     import lightning as L
     from functools import partial
 
     from lightning_modules.hici.module import HiCILongContextLM, is_hici_param
     from callbacks.deepspeed_cpu import CPUDeepSpeedStrategy
 
-    os.environ.setdefault("MASTER_PORT", str(29500 + stage))
+    os.environ.setdefault("MASTER_PORT", str(29500 + stage + 10 * accumulate))
     spec = dict(family="llama", pretrained=None, dtype="float32", attn_implementation="sdpa",
                 config=dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
@@ -52,9 +55,10 @@ def test_hici_clip_survives_deepspeed_zero(stage, tmp_path):
             seen["p.grad_is_full"] = all(p.grad is not None and p.grad.numel() == p.numel()
                                          for p in pl_module.hici_parameters())
 
-    loader = torch.utils.data.DataLoader([{"input_ids": x[i], "labels": x[i]} for i in range(2)], batch_size=2)
+    loader = torch.utils.data.DataLoader([{"input_ids": x[i], "labels": x[i]} for i in range(2)],
+                                         batch_size=2 // accumulate)  # the same two rows per optimizer step
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=CPUDeepSpeedStrategy(stage=stage), precision="32-true",
-                        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        max_steps=1, accumulate_grad_batches=accumulate, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=[Probe()], default_root_dir=tmp_path)
     trainer.fit(module, train_dataloaders=loader)
 

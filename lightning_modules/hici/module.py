@@ -414,8 +414,12 @@ class HiCILongContextLM(CausalLMModule):
         return [p for n, p in self._named_trainable() if is_hici_param(n)]
 
     def on_before_optimizer_step(self, optimizer):
-        if self.hici_grad_clip:
-            clip_hici_gradients(self.hici_parameters(), self.hici_grad_clip, self._deepspeed_zero())
+        if not self.hici_grad_clip:
+            return
+        engine = getattr(self.trainer.strategy, "deepspeed_engine", None) if self._deepspeed_zero() else None
+        if engine is not None and not engine.is_gradient_accumulation_boundary():
+            return  # DeepSpeed accumulates in its engine (Lightning steps every micro-batch): no full gradient yet
+        clip_hici_gradients(self.hici_parameters(), self.hici_grad_clip, engine is not None)
 
     def _deepspeed_zero(self) -> bool:
         return self._trainer is not None and "DeepSpeed" in type(self.trainer.strategy).__name__
