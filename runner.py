@@ -451,10 +451,11 @@ def _run(cfg: DictConfig, state: _State):
 
 
 def _loadable(trainer, ckpt: str) -> str:
-    """A checkpoint the test loop can load. DeepSpeed ZeRO saves a directory that its test-time engine cannot reload
-    (loading without optimizer states calls ``_restore_from_bit16_weights``, which ZeRO-3's optimizer-less wrapper
-    lacks): it is consolidated once into one fp32 file (``<dir>.fp32.ckpt``, rank 0) and loaded as full weights."""
-    if not ckpt or "DeepSpeed" not in type(trainer.strategy).__name__ or not Path(ckpt).is_dir():
+    """A checkpoint the test loop can load. DeepSpeed ZeRO-3 saves a directory that its test-time engine cannot
+    reload (loading without optimizer states calls ``_restore_from_bit16_weights``, which ZeRO-3's optimizer-less
+    wrapper lacks): it is consolidated once into one fp32 file (``<dir>.fp32.ckpt``, rank 0) and loaded as full
+    weights. ZeRO-1/2 directories load as they are (Lightning reads full weights from a file only under ZeRO-3)."""
+    if not ckpt or not getattr(trainer.strategy, "zero_stage_3", False) or not Path(ckpt).is_dir():
         return ckpt
     from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
 

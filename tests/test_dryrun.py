@@ -30,6 +30,15 @@ def _prepared(experiment: str, tmp_path, *overrides: str):
     return cfg
 
 
+def test_prepare_caps_long_context_evaluation_lengths(tmp_path):
+    """hici_llama7b evaluates perplexity at 2K-100K tokens and passkeys to 57K: a dry run caps every length (lists
+    element-wise) to what the shrunk twin holds, and its test set to what the miniature PG-19 has."""
+    cfg = _prepared("hici_llama7b", tmp_path)
+    ev = cfg.model.evaluation
+    assert list(ev.ppl_lengths) == [256] and ev.passkey_max_length == 512 and ev.longbench_max_length == 512
+    assert cfg.data.seq_len == 256 and cfg.data.test_documents == 2
+
+
 def test_prepare_shrinks_a_paper_scale_config(tmp_path):
     """lm_llama7b: LLaMA-2-7B from scratch on shards with the Llama-2 tokenizer, DeepSpeed ZeRO-3 on 8 GPUs."""
     from transformers import AutoTokenizer

@@ -41,8 +41,12 @@ SIZE_CAPS = {
     "max_prompt_tokens": 128,
     "batch_size": 2, "eval_batch_size": 2, "micro_batch_size": 2, "calib_batch_size": 2, "train_batch_size": 2,
     "max_new_tokens": 16, "val_max_new_tokens": 16, "answer_tokens": 16,
-    "n_calib": 4, "max_val_sequences": 4, "max_windows": 4, "max_documents": 8, "samples_per_task": 2,
+    "n_calib": 4, "max_val_sequences": 4, "max_windows": 4, "max_documents": 8, "test_documents": 2,
+    "samples_per_task": 2,
     "num_workers": 0,
+    # long-context evaluation (HiCI / LongLoRA): lists of lengths are capped element-wise
+    "ppl_lengths": 256, "passkey_max_length": 512, "passkey_interval": 256, "passkey_samples": 2,
+    "longbench_max_length": 512,
 }
 MIN_FRACTION = 0.2  # data.{val,test}_fraction below this hold no document of a miniature corpus
 _SKIP = ("hydra", "paper", "backbone", "local", "dryrun", "dryrun_overrides", "paths")
@@ -188,6 +192,19 @@ def _is_hub_id(value) -> bool:
             and not value.startswith(("/", "./", "../", "~")) and not Path(value).exists())
 
 
+def _int_lists(node: DictConfig, path: str):
+    """(dotted path, parent, key) of every list of plain ints under ``node`` (no interpolations)."""
+    for key in node.keys():
+        child = node._get_node(key)
+        sub = f"{path}.{key}"
+        if isinstance(child, DictConfig) and not child._is_interpolation() and not child._is_none():
+            yield from _int_lists(child, sub)
+        elif isinstance(child, ListConfig) and not child._is_interpolation() and not child._is_none() and \
+                all(not child._get_node(i)._is_interpolation() and isinstance(child[i], int)
+                    and not isinstance(child[i], bool) for i in range(len(child))):
+            yield sub, node, key
+
+
 # --- other hub ids ----------------------------------------------------------------------------------------------------
 def _walk(node, path: str = ""):
     """(dotted path, parent node, key) of every leaf of ``node``, interpolations left as they are."""
@@ -268,10 +285,16 @@ def _sizes(cfg: DictConfig, steps: int) -> str:
             if cap is not None and isinstance(value, int) and not isinstance(value, bool) and value > cap:
                 parent[key] = cap
                 changed.append(f"{path} {value}->{cap}")
+
             elif top == "data" and key in ("val_fraction", "test_fraction") and isinstance(value, float) \
                     and 0 < value < MIN_FRACTION:
                 parent[key] = MIN_FRACTION
                 changed.append(f"{path} {value}->{MIN_FRACTION}")
+        for path, parent, key in list(_int_lists(node, top)):  # lists of sizes (lengths to evaluate at): each capped
+            value, cap = list(parent[key]), SIZE_CAPS.get(key)
+            if cap is not None and value and max(value) > cap:
+                parent[key] = sorted({min(v, cap) for v in value})
+                changed.append(f"{path} {value}->{list(parent[key])}")
     tr = cfg.trainer
     fit = "fit" in str(cfg.task)
     plan = {"limit_val_batches": 1, "limit_test_batches": 1, "num_sanity_val_steps": 0, "log_every_n_steps": 1}
