@@ -154,7 +154,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--eval-every", type=int, default=12)
     p.add_argument("--val-batches", type=int, default=4)
-    p.add_argument("--out", default="benchmarks/out/llr")
+    p.add_argument("--out", default="outputs/benchmarks/llr")
     args = p.parse_args(argv)
 
     from datamodules.common.tokenizer import corpus_tokenizer
@@ -256,7 +256,7 @@ def claims(summary, argv):
     from benchmarks.schema import arms_table
 
     ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--out", default="benchmarks/out/llr")  # where main wrote llr_val_loss.png and llr_bench.json
+    ap.add_argument("--out", default="outputs/benchmarks/llr")  # where main wrote llr_val_loss.png and llr_bench.json
     out_dir = Path(ap.parse_known_args(argv)[0].out)
     bench = json.loads((out_dir / "llr_bench.json").read_text())
     seeds, curves, args = summary["seeds"], bench["curves"], bench["args"]
