@@ -25,6 +25,7 @@ from pathlib import Path
 import lightning as L
 from torch.utils.data import DataLoader
 
+from datamodules.common.miniature import register_layout
 from datamodules.common.splits import split_of
 
 # stdlib families as text domains (module-name prefixes of embedded_documents_by_source)
@@ -180,3 +181,36 @@ class SubspacePathDataModule(L.LightningDataModule):
 
     def test_dataloader(self):
         return DataLoader(list(range(self.n_total())), batch_size=None, shuffle=False)
+
+
+# --- miniatures for debug=dryrun (datamodules/common/miniature.py) ----------------------------------------------------
+@register_layout("xdomain/pools/*.jsonl")
+def write_pool(target: Path, cfg) -> None:
+    """A domain pool: one ``text`` per line, passages of the miniature documents (a different text per domain)."""
+    from datamodules.common.miniature import documents, write_jsonl
+
+    seed = sum(map(ord, target.stem))
+    passages = [p for d in documents(seed=seed) for p in d.split("\n") if len(p.split()) >= 8]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_jsonl(target, [{"text": p} for p in passages])
+
+
+@register_layout("xdomain/scenarios.jsonl")
+def write_scenarios(target: Path, cfg) -> None:
+    """Scenarios as the module reads them: XDomainBench-style splits over ``data.domains`` (two-turn conversations;
+    cross-domain over two domains) and CommonsenseQA / NQ / ARC-style single turns (``choices`` for the two
+    multiple-choice sets, the answer a letter)."""
+    from datamodules.common.miniature import documents, write_jsonl
+
+    domains = list(cfg.data.domains)
+    words = documents(n=4, seed=11)[0].split()
+    turn = lambda i: {"prompt": " ".join(words[i * 24: i * 24 + 12]), "answer": " ".join(words[i * 24 + 12: i * 24 + 24])}  # noqa: E731
+    rows = [{"split": "selected", "domains": [domains[0]], "turns": [turn(0), turn(1)]},
+            {"split": "out_of_domain", "domains": ["ood"], "turns": [turn(2), turn(3)]},
+            {"split": "cross_domain", "domains": domains[:2], "turns": [turn(4), turn(5)]},
+            {"split": "nq", "domains": [], "turns": [turn(6)]}]
+    for split in ("csqa", "arc"):
+        rows.append({"split": split, "domains": [], "turns": [{"prompt": turn(7)["prompt"] + " Answer:", "answer": "B",
+                                                                 "choices": ["A", "B", "C", "D"]}]})
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_jsonl(target, rows)
