@@ -48,6 +48,8 @@ from pathlib import Path
 import numpy as np
 from torch.utils.data import Dataset
 
+from datamodules.common.miniature import register_layout
+
 REQUIRED = {"image": str, "question": str, "answer": str, "passages": list}
 PIVOT_FIELDS = ("entity", "relation", "conflict")
 KINDS = ("clean", "true", "false", "patch_shuffle")
@@ -331,3 +333,30 @@ def load_splits(root: str | Path | None, datasets, k: int = 3, image_size: int |
                          "with data.inject=true, an annotator for those without one (local.endpoints.pivot_annotator),"
                          " or labelled REAL-VQA records")
     return out
+
+
+# --- the miniature for debug=dryrun (datamodules/common/miniature.py) -------------------------------------------------
+@register_layout("real_vqa")
+def write_miniature_datasets(target: Path, cfg) -> None:
+    """Each of ``data.datasets`` as ``<dataset>/{train,val,test}.jsonl`` + PNG images, from the synthetic KI-VQA's
+    clean items (drawn entities, k passages stating the pivot value): records with their pivot triple (``entity``,
+    ``relation``, ``value``, ``conflict: false``), as InfoSeek's are, so ``data.inject`` plants REAL-VQA's conflicts
+    in them without an annotator."""
+    from PIL import Image
+
+    from lightning_modules.real_vqa.data import generate_items
+
+    k = int(cfg.data.get("k") or 3)
+    for d, dataset in enumerate(cfg.data.datasets):
+        folder = target / str(dataset)
+        (folder / "images").mkdir(parents=True, exist_ok=True)
+        for s, split in enumerate(SPLITS):
+            items = generate_items(12, seed=100 * d + s, split=split, kinds=("clean",), k=k)
+            with open(folder / f"{split}.jsonl", "w") as fh:
+                for i, item in enumerate(items):
+                    name = f"images/{split}_{i}.png"
+                    Image.fromarray(item["image"]).save(folder / name)
+                    fh.write(json.dumps({"image": name, "question": item["question"], "answer": item["answer"],
+                                         "passages": item["passages"], "entity": item["entity"],
+                                         "relation": item["relation"], "value": item["answer"],
+                                         "conflict": False}) + "\n")
