@@ -19,6 +19,7 @@ import random
 import lightning as L
 from torch.utils.data import DataLoader
 
+from datamodules.common.miniature import register_layout
 from datamodules.common.splits import check_fractions, split_of
 from datamodules.instruct import register_generator
 
@@ -139,3 +140,16 @@ class InstEmbDataModule(L.LightningDataModule):
 
     def test_dataloader(self):
         return self._eval_loader("test")
+
+
+# --- the miniature for debug=dryrun (datamodules/common/miniature.py) -------------------------------------------------
+@register_layout("instemb/inbedder_pretrain/*.jsonl")
+def write_inbedder_pretrain(target, cfg) -> None:
+    """InBedder's pretraining triples as its released jsonl has them (``instruction``, ``input``, ``output``): the
+    tiny generator's triples over the training objects, split over two files."""
+    from datamodules.common.miniature import _files, _split, write_jsonl
+
+    rows = [{k: t[k] for k in ("instruction", "input", "output")} for t in triples(48, 0, "train", 0.2, 0.2)]
+    for path, part in zip(_files(target), _split(rows, 2)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_jsonl(path, part)
