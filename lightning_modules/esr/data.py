@@ -25,6 +25,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from datamodules.common.miniature import register_layout
 from datamodules.instruct import apply_template, register_generator
 
 # (task, answer, keywords): the rule judge scores an attempt by the share of its topic's keywords it contains
@@ -205,3 +206,57 @@ class ESRDataModule(L.LightningDataModule):
 
     def test_dataloader(self):
         return DataLoader([0], batch_size=1, collate_fn=list)
+
+
+# --- miniatures for debug=dryrun (datamodules/common/miniature.py): SAEs sized to the shrunk twin -------------------
+MINIATURE_D_SAE = 512  # latents of a miniature SAE (and of its concreteness / labels files)
+
+
+def _d_model(cfg) -> int:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(cfg.backbone.pretrained)
+    return int(getattr(config, "hidden_size", None) or config.get_text_config().hidden_size)
+
+
+def _miniature_sae(d_in: int) -> dict[str, torch.Tensor]:
+    """Random encoder / decoder with a high JumpReLU threshold: every latent is zero on every prompt, so the
+    steering pool (latents silent on the prompts) is full, as the release's selection expects of most latents."""
+    g = torch.Generator().manual_seed(0)
+    return {"W_enc": torch.randn(d_in, MINIATURE_D_SAE, generator=g) / d_in ** 0.5,
+            "W_dec": torch.randn(MINIATURE_D_SAE, d_in, generator=g) / d_in ** 0.5,
+            "b_enc": torch.zeros(MINIATURE_D_SAE), "b_dec": torch.zeros(d_in),
+            "threshold": torch.full((MINIATURE_D_SAE,), 1e3)}
+
+
+@register_layout("saes/gemma-scope-*/canonical")
+def write_gemmascope(target: Path, cfg) -> None:
+    """A GemmaScope SAE directory: ``params.npz`` (W_enc, W_dec, b_enc, b_dec, threshold)."""
+    import numpy as np
+
+    target.mkdir(parents=True, exist_ok=True)
+    np.savez(target / "params.npz", **{k: v.numpy() for k, v in _miniature_sae(_d_model(cfg)).items()})
+
+
+@register_layout("saes/goodfire/*.pt")
+@register_layout("saes/goodfire/*.pth")
+def write_goodfire(target: Path, cfg) -> None:
+    """A Goodfire SAE state dict: ``encoder_linear`` (d_sae x d_in) and ``decoder_linear`` (d_in x d_sae)."""
+    t = _miniature_sae(_d_model(cfg))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"encoder_linear.weight": t["W_enc"].t().contiguous(), "encoder_linear.bias": t["b_enc"],
+                "decoder_linear.weight": t["W_dec"].t().contiguous(), "decoder_linear.bias": t["b_dec"]}, target)
+
+
+@register_layout("saes/*concreteness.json")
+def write_concreteness(target: Path, cfg) -> None:
+    """Concreteness per latent (0-100), every latent concrete enough for the release's >= 65 cut."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps({str(i): 70.0 + i % 30 for i in range(MINIATURE_D_SAE)}))
+
+
+@register_layout("saes/*.csv")
+def write_labels(target: Path, cfg) -> None:
+    """Latent labels as the release's csv (``index_in_sae``, ``label``)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text("index_in_sae,label\n" + "".join(f"{i},miniature feature {i}\n" for i in range(MINIATURE_D_SAE)))
