@@ -44,6 +44,7 @@ import random
 import lightning as L
 from torch.utils.data import DataLoader
 
+from datamodules.common.miniature import register_layout
 from datamodules.common.sampling import StepStreamSampler
 from datamodules.common.splits import check_fractions, split_of
 from datamodules.instruct import apply_template, generate, load_pairs, register_generator
@@ -326,3 +327,42 @@ class SPARDDataModule(L.LightningDataModule):
     def test_dataloader(self):
         return self._eval_loader("test")
 
+
+
+# --- miniatures for debug=dryrun (datamodules/common/miniature.py): the release's safe_data/ and task files ---------
+@register_layout("spard/gsm8k*/*.jsonl")
+def write_gsm8k_task(target, cfg) -> None:
+    """GSM8K (and the merged GSM8K + MetaMathQA training file) as GSM8K's jsonl: ``question`` / ``answer``."""
+    from datamodules.common.miniature import write_gsm8k
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_gsm8k(target, cfg)
+
+
+@register_layout("spard/obqa/*.jsonl")
+def write_obqa(target, cfg) -> None:
+    """OpenBookQA as the release's files: ``prompt``, ``answer`` ("... the correct answer is answerN") and
+    ``target_answer`` (``answerN``)."""
+    from datamodules.common.miniature import write_jsonl
+
+    rng = random.Random(target.stem)
+    rows = []
+    for i in range(40):
+        k = rng.randint(1, 4)
+        rows.append({"prompt": f"Which of these is item {i}? answer1 red answer2 green answer3 blue answer4 gold",
+                     "answer": f"Facts state it. So the correct answer is answer{k}", "target_answer": f"answer{k}"})
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_jsonl(target, rows)
+
+
+@register_layout("spard/safe_data/eval/*_test.jsonl")
+@register_layout("spard/safe_data/*_train.jsonl")
+def write_safety(target, cfg) -> None:
+    """The release's safety files: ``prompt`` and ``input``, with ``unsafe`` (the harmful answer, attack and eval
+    files) and ``safe`` (the refusal, the safe pool) — the tiny vault's requests as text."""
+    from datamodules.common.miniature import write_jsonl
+
+    rows = [{"prompt": p["instruction"], "input": "", "unsafe": p["response"].strip() or "Sure, here it is.",
+             "safe": REFUSAL.strip()} for p in vault_requests(40, 5, None, 0.0, 0.0, comply=True)]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_jsonl(target, rows)
