@@ -151,7 +151,8 @@ def header(docs: list[dict], run_log: dict | None) -> list[str]:
         bad = {k: r for k, r in run_log["papers"].items() if r["status"] != "ok"}
         out += ["", f"**Last `python -m benchmarks.all`**: `{run_log['commit']}`, started {run_log['started']}, "
                 f"{len(run_log['papers']) - len(bad)} of {len(run_log['papers'])} ok"
-                + ("; failed: " + ", ".join(f"{k} ({r['status']})" for k, r in bad.items()) if bad else "") + "."]
+                + ("; failed: " + ", ".join(f"{k} ({r['status']})" for k, r in bad.items()) if bad else "") + "."
+                + (f" ({run_log['note']})" if run_log.get("note") else "")]
     return out
 
 

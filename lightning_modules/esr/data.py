@@ -220,12 +220,12 @@ def _d_model(cfg) -> int:
 
 
 def _miniature_sae(d_in: int) -> dict[str, torch.Tensor]:
-    """Random encoder / decoder with a high JumpReLU threshold: every latent is zero on every prompt, so the
-    steering pool (latents silent on the prompts) is full, as the release's selection expects of most latents."""
+    """Random encoder / decoder with a negative encoder bias (and a high JumpReLU threshold): every latent is zero on
+    every prompt, ReLU or JumpReLU, so the steering pool (latents silent on the prompts) is full."""
     g = torch.Generator().manual_seed(0)
     return {"W_enc": torch.randn(d_in, MINIATURE_D_SAE, generator=g) / d_in ** 0.5,
             "W_dec": torch.randn(MINIATURE_D_SAE, d_in, generator=g) / d_in ** 0.5,
-            "b_enc": torch.zeros(MINIATURE_D_SAE), "b_dec": torch.zeros(d_in),
+            "b_enc": torch.full((MINIATURE_D_SAE,), -1e3), "b_dec": torch.zeros(d_in),
             "threshold": torch.full((MINIATURE_D_SAE,), 1e3)}
 
 
