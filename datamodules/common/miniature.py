@@ -132,6 +132,7 @@ def _split(items: list, parts: int) -> list[list]:
 
 # --- text corpora ---------------------------------------------------------------------------------------------------
 @register_layout("pretrain/*.jsonl")
+@register_layout("booksum/*.jsonl")
 @register_layout("redpajama_1t_sample/*.jsonl")
 @register_layout("proof-pile/*/*.jsonl")
 def write_text_jsonl(target: Path, cfg) -> None:
