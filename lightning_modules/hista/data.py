@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 
+from datamodules.common.miniature import register_layout
 from datamodules.verifiable import VerifiableDataModule
 
 RELEASE_TIERS = ((0.07, 0.17), (0.17, 0.37), (0.37, 0.77))
@@ -72,3 +73,16 @@ class SVEBDataModule(VerifiableDataModule):
         picked = stratify(records, rates, self.tiers, self.per_tier, self.seed)
         problems = [{"question": r[qf], "solution": str(r[af]), "answer": str(r[af]).strip()} for r in picked]
         return problems if self.n["test"] is None else problems[: self.n["test"]]
+
+
+@register_layout("sveb/*.jsonl")
+def write_sveb_field(target, cfg) -> None:
+    """A field's SVEB file as the release writes it: MATH-style ``problem`` with the bare final answer as
+    ``solution``, and each problem's pass rate (cycling over the three release tiers)."""
+    from datamodules.common.miniature import _math_records, write_jsonl
+
+    rates = (0.1, 0.25, 0.5)
+    rows = [{"problem": r["problem"], "solution": r["answer"], "pass_rate": rates[i % 3]}
+            for i, r in enumerate(_math_records(48, 9))]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_jsonl(target, rows)
