@@ -7,7 +7,7 @@ visits the GPU (the way GPTQ implementations run a 70B model on one 80 GB card).
   (and its reference copy) sit on the GPU and every input the driver needs (a layer's, a norm's for residual
   compensation, the attention probabilities for the BOS fix, ``o_proj``'s for the ε search) is captured by running
   that block alone on the cached hidden states. The driver's arithmetic is unchanged: the same groups, statistics
-  and budget as the in-memory path (``tests/test_watersic.py`` checks the weights agree), at the cost of one
+  and budget as the in-memory path (``tests/test_watersic_tiny.py`` checks the weights agree), at the cost of one
   forward per block instead of one per layer group through every earlier block.
 - ``stream_blocks`` makes any whole-model forward (the evaluation's) run on one GPU: everything outside the blocks
   moves to the GPU, and each block moves there for its own forward and back after it.
@@ -15,6 +15,7 @@ visits the GPU (the way GPTQ implementations run a 70B model on one 80 GB card).
 from __future__ import annotations
 
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device as _to  # tensors in nested kwargs
 
 from lightning_modules.common.quantize.calibration import MomentCollector, _Stop, stop_at
 
@@ -41,16 +42,6 @@ def move_outside_blocks(model, device) -> None:
         for k, b in mod._buffers.items():
             if b is not None:
                 mod._buffers[k] = b.to(device)
-
-
-def _to(obj, device):
-    if torch.is_tensor(obj):
-        return obj.to(device)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_to(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
-    return obj
 
 
 def _output(out) -> torch.Tensor:
