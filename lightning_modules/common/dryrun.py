@@ -41,6 +41,7 @@ SIZE_CAPS = {
     "max_prompt_tokens": 128,
     "batch_size": 2, "eval_batch_size": 2, "micro_batch_size": 2, "calib_batch_size": 2, "train_batch_size": 2,
     "max_new_tokens": 16, "val_max_new_tokens": 16, "answer_tokens": 16,
+    "min_interval": 4,  # Hista / SVEB: a state every 4 of the 16 generated tokens
     "n_calib": 4, "max_val_sequences": 4, "max_windows": 4, "max_documents": 8, "test_documents": 2,
     "samples_per_task": 2,
     "num_workers": 0,
