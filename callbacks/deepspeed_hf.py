@@ -6,10 +6,37 @@ partitions every parameter as it is created; transformers' weight init then inde
 skips that init and re-initialises each module with its parameters gathered (``initialize_weights_zero3``), and
 ``from_pretrained`` loads straight into the partitions. ``run`` adds this callback whenever the strategy is
 DeepSpeed; it does nothing below stage 3.
+
+The config stays alive for the whole run (``generate`` reads it), so a model loaded later with ``from_pretrained``
+would be partitioned too, with no engine to gather it: a frozen helper (a reward model, a judge, an encoder) or an
+unsharded copy for export is built inside :func:`unpartitioned`.
 """
 from __future__ import annotations
 
+import contextlib
+
 import lightning as L
+
+
+@contextlib.contextmanager
+def unpartitioned():
+    """Models built inside are whole: transformers' ZeRO-3 loading path and any active ``deepspeed.zero.Init``
+    (Lightning's, around ``configure_model``) are off for the block and back on after it. A no-op without DeepSpeed."""
+    from transformers.integrations import deepspeed as hf_ds
+
+    try:
+        from deepspeed.runtime.zero.partition_parameters import restore_init_context, shutdown_init_context
+    except ImportError:  # no DeepSpeed: nothing is partitioned
+        yield
+        return
+    ref = hf_ds._hf_deepspeed_config_weak_ref
+    shutdown_init_context()
+    hf_ds.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = ref
+        restore_init_context()
 
 
 class HFZero3Init(L.Callback):

@@ -42,7 +42,7 @@ def test_every_experiment_has_a_preflight(experiment, tmp_path):
         return
     assert report["params_total"] > 0 and report["weights"] > 0
     static = sum(report[k] for k in ("weights", "gradients", "master_weights", "optimizer_states", "buffers",
-                                     "frozen_copies"))
+                                     "frozen_copies", "helper_models"))
     assert report["static"] == pytest.approx(static)
     dynamic = [report.get(k, 0.0) for k in ("activations_train", "activations_eval")]
     dynamic.append(report.get("kv_cache", 0.0) + report.get("generate_working_set", 0.0))
@@ -292,6 +292,25 @@ def test_offloaded_70b_quantization_fits_one_80gb_gpu(tmp_path):
     assert on["frozen_copies"] == pytest.approx(block, rel=0.02) and on["header_gpu_gib"] == 80
     assert on["peak"] / pf.GIB < 80 < off["peak"] / pf.GIB and on["warning"] is None and "exceeds" in off["warning"]
     assert on["host_per_node"] == pytest.approx(2 * off["weights"], rel=1e-9)
+
+
+def test_a_reward_model_is_counted_whole_per_gpu(tmp_path):
+    """ps_ppo_rlhf loads its reward model whole on every GPU beside the ZeRO-3 policy: counted from the directory's
+    config.json (Llama, one label, bf16) as the parameter formula says; a note where the directory is not there yet."""
+    from transformers import LlamaConfig
+
+    V, h, inter, L, heads, kv = 1000, 64, 160, 3, 4, 2
+    LlamaConfig(vocab_size=V, hidden_size=h, intermediate_size=inter, num_hidden_layers=L, num_attention_heads=heads,
+                num_key_value_heads=kv, num_labels=1).save_pretrained(tmp_path / "models" / "reward_model")
+    d = h // heads
+    per_layer = h * h * 2 + 2 * h * kv * d + 3 * h * inter + 2 * h  # q, o; k, v; gate, up, down; two norms
+    expected = 2 * (V * h + L * per_layer + h + h * 1)  # + final norm + the one-logit score head, in bf16
+    with_dir = _estimate("ps_ppo_rlhf_qwen25_7b", tmp_path, f"local.data_root={tmp_path}")
+    assert with_dir["helper_models"] == expected
+    assert with_dir["static"] == pytest.approx(sum(with_dir[k] for k in (
+        "weights", "gradients", "master_weights", "optimizer_states", "buffers", "frozen_copies")) + expected)
+    without = _estimate("ps_ppo_rlhf_qwen25_7b", tmp_path, f"local.data_root={tmp_path / 'absent'}")
+    assert without["helper_models"] == 0 and any("reward" in n and "not counted" in n for n in without["notes"])
 
 
 def test_int8_base_and_lora(tmp_path):

@@ -2,6 +2,7 @@
 log-probs, and the verifiable datamodule."""
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -364,3 +365,43 @@ def test_prompt_datamodule_reads_prompts_without_answers(tmp_path, tiny_tokenize
     assert all(it["answer"] == "" and it["prompt_ids"] for it in dm.train_set)
     with pytest.raises(ValueError, match="data.files"):
         PromptDataModule(tiny_tokenizer)
+
+
+def _score_under_zero3(rank: int, port: int, path: str, out):
+    """One ZeRO-3 rank as a run holds it: a process group and transformers' HfDeepSpeedConfig alive."""
+    import deepspeed
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig
+
+    from lightning_modules.common.rl.scorers import RewardModel
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    deepspeed.init_distributed("gloo")
+    alive = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    try:
+        rm = RewardModel(path, dtype="float32", chat_template=False)
+        out["score"] = rm(["Question: 1 + 2\nAnswer:"], [" 3"]).tolist()
+        out["shape"] = tuple(rm._model.model.embed_tokens.weight.shape)
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        out["still_zero3"] = is_deepspeed_zero3_enabled()  # the run's own config is back after the load
+    finally:
+        del alive
+        torch.distributed.destroy_process_group()
+
+
+def test_reward_model_loads_whole_under_zero3(tmp_path, tiny_tokenizer):
+    """ps_ppo_rlhf's reward model is loaded mid-run, while a ZeRO-3 run keeps transformers' DeepSpeed config alive:
+    loaded through ZeRO-3's path, its weights were partitioned with no engine to gather them and the first
+    reward raised ``'weight' must be 2-D``. It must load whole and score as it does alone."""
+    import torch.multiprocessing as mp
+
+    from lightning_modules.common.rl.scorers import RewardModel
+    from tests.test_rl_ranks import _free_port
+
+    model = _tiny_reward_model(tmp_path / "rm", tiny_tokenizer)
+    alone = RewardModel(str(tmp_path / "rm"), dtype="float32", chat_template=False)(["Question: 1 + 2\nAnswer:"], [" 3"])
+    out = mp.Manager().dict()
+    mp.spawn(_score_under_zero3, args=(_free_port(), str(tmp_path / "rm"), out), nprocs=1, join=True)
+    assert out["shape"] == tuple(model.model.embed_tokens.weight.shape) and out["still_zero3"]
+    torch.testing.assert_close(torch.tensor(out["score"]), alone)

@@ -264,7 +264,7 @@ def _hub_ids(cfg: DictConfig, original: str | None, root: Path) -> str:
 def _backbone_spec_named(hub_id: str) -> dict | None:
     import yaml
 
-    for path in sorted((Path(__file__).resolve().parent / "conf" / "backbone").glob("*.yaml")):
+    for path in sorted((Path(__file__).resolve().parents[2] / "conf" / "backbone").glob("*.yaml")):
         spec = yaml.safe_load(path.read_text())
         if spec.get("pretrained") == hub_id:
             return spec

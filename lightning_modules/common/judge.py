@@ -399,9 +399,10 @@ class HFLocalJudge:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if self._model is None:
+            from callbacks.deepspeed_hf import unpartitioned
             from datamodules.common.errors import hub_loading
 
-            with hub_loading(self.path, "judge.path", "judge model"):
+            with hub_loading(self.path, "judge.path", "judge model"), unpartitioned():  # outside any ZeRO-3 engine
                 self._tok = AutoTokenizer.from_pretrained(self.path)
                 self._model = AutoModelForCausalLM.from_pretrained(self.path, dtype=getattr(torch, self.dtype),
                                                                    device_map="auto").eval()

@@ -51,7 +51,10 @@ Per GPU (``W`` = trainer.devices x trainer.num_nodes data-parallel ranks; ``N_t`
 - **KV cache** (formula, checked against a ``DynamicCache``): ``rows x (prompt + new tokens) x layers x 2 x kv_heads x
   head_dim x p``, sliding-window layers capped at their window; ``rows`` = prompts x group size for RL rollouts; the
   prefill's working set (no logits but the last position's) on top.
-Peak = weights + gradients + states + buffers + frozen copies + the largest of (training activations, evaluation
+- **helper models** (counted): a frozen model a run loads whole on every GPU beside the trained one (a reward model,
+  ``HELPERS``), from its directory's ``config.json`` on the meta device at its configured dtype; said in a note where
+  the directory is not there yet.
+Peak = weights + gradients + states + buffers + frozen copies + helper models + the largest of (training activations, evaluation
 forward, generation); CUDA context (~0.5-1 GiB) and allocator fragmentation are not counted.
 """
 from __future__ import annotations
@@ -313,6 +316,41 @@ def static_memory(cfg: DictConfig, trained: Trained, model_cfg: Mapping[str, Any
             "weights": weights, "gradients": grads, "master_weights": master, "optimizer_states": states,
             "buffers": buffers, "buffers_what": buffer_src, "frozen_copies": frozen_copies,
             "host_per_node": host / nodes if host else 0.0}
+
+
+HELPERS = ("RewardModel",)  # ``_target_`` endings of frozen models loaded whole on every GPU (callbacks.deepspeed_hf)
+
+
+def helper_models(model_cfg: Mapping[str, Any]) -> tuple[float, list[str]]:
+    """Bytes per GPU of the frozen helper models under ``model`` (see the module docstring), and one note each."""
+    import torch
+
+    total, notes = 0.0, []
+
+    def walk(node, path):
+        nonlocal total
+        if isinstance(node, Mapping):
+            if str(node.get("_target_", "")).endswith(HELPERS) and node.get("path"):
+                where = Path(str(node["path"])).expanduser()
+                if not (where / "config.json").exists():
+                    notes.append(f"{path}: no config.json at {where} yet: its whole copy per GPU is not counted")
+                else:
+                    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+                    with torch.device("meta"):
+                        helper = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(str(where)))
+                    n = sum(p.numel() for p in helper.parameters())
+                    size = torch.empty((), dtype=getattr(torch, str(node.get("dtype", "float32")))).element_size()
+                    total += n * size
+                    notes.append(f"{path}: {count_text(n)} parameters at {node.get('dtype', 'float32')}, whole on every GPU")
+            for k, v in node.items():
+                walk(v, f"{path}.{k}")
+        elif isinstance(node, (list, tuple)):
+            for i, v in enumerate(node):
+                walk(v, f"{path}[{i}]")
+
+    walk(model_cfg, "model")
+    return total, notes
 
 
 def _bytes_per_param(model) -> float:
@@ -591,6 +629,8 @@ def estimate(cfg: DictConfig) -> dict:
         _tokens(out, cfg, header)
         return out
     static = static_memory(cfg, trained, model_cfg)
+    static["helper_models"], helper_notes = helper_models(model_cfg)
+    out["notes"] += helper_notes
     out.update(static)
     out["model"] = getattr(config, "model_type", None) or type(trained.model).__name__
     block = block_of(config, trained.model) if config is not None else None
@@ -640,7 +680,7 @@ def estimate(cfg: DictConfig) -> dict:
             dynamic["generate_working_set"] = prefill_bytes(block, g["rows"], g["prompt"], p)
     out.update(dynamic)
     static_total = sum(static[k] for k in ("weights", "gradients", "master_weights", "optimizer_states", "buffers",
-                                           "frozen_copies"))
+                                           "frozen_copies", "helper_models"))
     phases = {"train": dynamic.get("activations_train", 0.0), "eval": dynamic.get("activations_eval", 0.0),
               "generate": dynamic.get("kv_cache", 0.0) + dynamic.get("generate_working_set", 0.0)}
     worst = max(phases, key=phases.get)
@@ -765,6 +805,8 @@ def render(report: Mapping[str, Any]) -> None:
             table.add_row("buffers", _gib(report["buffers"]), f"formula: {report['buffers_what']}")
         if report["frozen_copies"]:
             table.add_row("frozen copies", _gib(report["frozen_copies"]), "counted: reference / π_ref weights")
+        if report.get("helper_models"):
+            table.add_row("helper models", _gib(report["helper_models"]), "counted: a reward model, whole per GPU")
         if "activations_train" in report:
             s = shapes["train"]
             how = f"formula{' (checked)' if report['activation_formula_checked'] else ''}: " \

@@ -13,10 +13,10 @@ checkpoint straight into its partitions.
 """
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from callbacks.deepspeed_hf import unpartitioned
 from lightning_modules.growth import operators as ops
 from lightning_modules.common.backbone import build_backbone
 from lightning_modules.common.lm import CausalLMModule, _plain
@@ -96,7 +96,7 @@ class GrowthModule(CausalLMModule):
             return self.grow()
         out = Path(self.growth["grown_dir"])
         if self.trainer.global_rank == 0 and not (out / "config.json").exists():
-            with _unpartitioned():
+            with unpartitioned():
                 self.grow().save_pretrained(str(out))
         self.trainer.strategy.barrier("growth")
         return build_backbone({**self.backbone_spec, "pretrained": str(out)})
@@ -140,20 +140,3 @@ class GrowthModule(CausalLMModule):
         if self.growth.get("source_tokens"):
             out["growth/source_flops"] = 6.0 * src_active * self.growth["source_tokens"]
         return out
-
-
-@contextlib.contextmanager
-def _unpartitioned():
-    """Build full (unsharded) modules inside Lightning's ``deepspeed.zero.Init``: ZeRO's partitioning hooks and
-    transformers' ZeRO-3 loading path off for the block, back on after it."""
-    from deepspeed.runtime.zero.partition_parameters import restore_init_context, shutdown_init_context
-    from transformers.integrations import deepspeed as hf_ds
-
-    ref = hf_ds._hf_deepspeed_config_weak_ref
-    shutdown_init_context()
-    hf_ds.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        hf_ds._hf_deepspeed_config_weak_ref = ref
-        restore_init_context()

@@ -53,6 +53,7 @@ from typing import Any, Mapping
 
 import torch
 
+from callbacks.deepspeed_hf import unpartitioned
 from lightning_modules.common.attention import (attention_enabled, attention_modules, patch_attention,
                                                  set_linear_rope_scaling, unpatch_attention)
 from lightning_modules.common.backbone import build_backbone
@@ -372,7 +373,7 @@ class HiCILongContextLM(CausalLMModule):
             return
         state = self._gathered_state_dict()  # a collective under FSDP2 / ZeRO-3: every rank takes part
         if self.trainer.global_rank == 0:
-            with transformers_zero3_off():  # the unsharded copy is built on rank 0 alone, not partitioned
+            with unpartitioned():  # the unsharded copy is built on rank 0 alone, not partitioned
                 self.full_model(state).save_pretrained(self.export_dir)
             tok = getattr(getattr(self.trainer, "datamodule", None), "tokenizer", None)
             if tok is not None:
@@ -430,21 +431,6 @@ class HiCILongContextLM(CausalLMModule):
             counts["params/hici"] = sum(p.numel() for n, p in self.model.named_parameters() if is_hici_param(n))
             counts["params/lora"] = sum(p.numel() for n, p in self.model.named_parameters() if "lora_" in n)
         return counts
-
-
-@contextlib.contextmanager
-def transformers_zero3_off():
-    """transformers builds models unpartitioned inside (the run's HfDeepSpeedConfig is restored after)."""
-    from transformers.integrations import deepspeed as hf_ds
-
-    ref = hf_ds._hf_deepspeed_config_weak_ref
-    config = ref() if ref is not None else None
-    hf_ds.unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        if config is not None:
-            hf_ds.set_hf_deepspeed_config(config)
 
 
 def passkey_grid(cfg: Mapping) -> list[int]:

@@ -74,10 +74,12 @@ class RewardModel:
     def load(self, device) -> None:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+        from callbacks.deepspeed_hf import unpartitioned
         from datamodules.common.errors import hub_loading
 
         self.check()
-        with hub_loading(self.path, "model.reward.path", "reward model"):
+        # frozen and outside the engine: whole on every rank, even under ZeRO-3
+        with hub_loading(self.path, "model.reward.path", "reward model"), unpartitioned():
             tok = AutoTokenizer.from_pretrained(self.path)
             model = AutoModelForSequenceClassification.from_pretrained(self.path, dtype=getattr(torch, self.dtype))
         if model.config.num_labels != 1:
