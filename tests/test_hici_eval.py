@@ -188,6 +188,30 @@ def test_sft_data_masks_the_prompt_and_pads_to_the_multiple(tiny_tokenizer, tmp_
         LongAlpacaDataModule(tiny_tokenizer, files="x", template="no field")
 
 
+def test_an_sft_batch_whose_answers_are_cut_off_trains_nothing_instead_of_nan(tiny_tokenizer):
+    """A record whose prompt fills seq_len keeps no answer token (truncated at the end, as the release does): with
+    batch size 1 the micro-batch has no target and the token mean is 0/0. It must give loss 0 and zero gradients
+    (NaN stopped hici_llama7b_sft's dry run at step 0), while a batch with targets keeps transformers' loss."""
+    from lightning_modules.hici.data import InstructionPairs, pad_collate
+    from lightning_modules.hici.module import HiCILongContextLM
+
+    recs = [{"instruction": "long " * 80, "output": "cut"}, {"instruction": "q", "output": "a"}]
+    pairs = InstructionPairs(recs, tiny_tokenizer, "[INST] {instruction} [/INST]", 32)
+    empty, full = (pad_collate([pairs[i]], pad_id=0, multiple=16) for i in (0, 1))
+    assert (empty["labels"] == -100).all() and (full["labels"] != -100).any()
+    spec = {"family": "llama", "config": dict(vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64,
+                                              num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                              max_position_embeddings=64)}
+    module = HiCILongContextLM(spec, hici=TINY, attention="full")
+    module.configure_model()
+    loss = module.compute_loss(empty)
+    loss.backward()
+    assert loss.item() == 0.0 and all(torch.isfinite(p.grad).all() and not p.grad.any()
+                                      for p in module.model.parameters() if p.grad is not None)
+    ref = module.model(input_ids=full["input_ids"], attention_mask=full["attention_mask"], labels=full["labels"]).loss
+    assert torch.isfinite(ref) and module.compute_loss(full).item() == pytest.approx(ref.item())
+
+
 def test_init_from_loads_a_trained_modules_weights(tmp_path):
     from lightning_modules.hici.module import HiCILongContextLM
 

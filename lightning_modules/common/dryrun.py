@@ -371,11 +371,68 @@ def _write_reward_model(target: Path, cfg) -> None:
     AutoTokenizer.from_pretrained(str(twin_dir(spec))).save_pretrained(str(target))
 
 
+# An input that is an earlier experiment's output (HiCI's SFT stage starts from the 16K run's checkpoint, RLKV's
+# evaluation reads the probe run's gates) is made the way a user makes it: by running that experiment first, here its
+# own dry run (same twin, so the shapes agree), in a subprocess under ``<data root>/upstream/<experiment>``.
+def _dry_run_upstream(experiment: str, run_dir: Path, cfg) -> Path:
+    import subprocess
+    import sys
+
+    from datamodules.common.errors import ConfigError
+
+    root_dir = Path(__file__).resolve().parents[2]
+    if not (root_dir / "conf" / "experiment" / f"{experiment}.yaml").is_file():
+        raise ConfigError(f"dry run: {run_dir.name} names no experiment (conf/experiment/{experiment}.yaml): the "
+                          "earlier run whose output this experiment reads must be named by it")
+    processes = int(cfg.dryrun.processes) if cfg is not None and "dryrun" in cfg else 1
+    print(f"[dryrun]   upstream   {experiment}: its own dry run first -> {run_dir}", flush=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "RANK")}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "dryrun.log", "w") as log:
+        proc = subprocess.run([sys.executable, str(root_dir / "run.py"), f"experiment={experiment}", "debug=dryrun",
+                               f"dryrun.processes={processes}", f"hydra.run.dir={run_dir}",
+                               "callbacks.progress_bar=null"], cwd=root_dir, env=env, stdout=log,
+                              stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"dry run: the upstream dry run of {experiment} failed (rc {proc.returncode}): see "
+                           f"{run_dir / 'dryrun.log'}")
+    return run_dir
+
+
+def _write_upstream_checkpoint(target: Path, cfg) -> None:
+    """``checkpoints/<experiment>.ckpt``: that experiment's best checkpoint as one file (a DeepSpeed checkpoint dir
+    converted with Lightning's ``convert_zero_checkpoint_to_fp32_state_dict``, as the experiments' headers say)."""
+    run_dir = _dry_run_upstream(target.stem, target.parent.parent / "upstream" / target.stem, cfg)
+    saved = sorted((run_dir / "checkpoints").glob("*.ckpt"), key=lambda p: p.stat().st_mtime)
+    if not saved:
+        raise FileNotFoundError(f"dry run: the upstream dry run of {target.stem} saved no checkpoint under {run_dir}")
+    best = next((p for p in reversed(saved) if p.name.startswith("best")), saved[-1])
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if best.is_dir():
+        from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+        convert_zero_checkpoint_to_fp32_state_dict(str(best), str(target))
+    else:
+        shutil.copyfile(best, target)
+
+
+def _write_upstream_run(target: Path, cfg) -> None:
+    """``runs/<experiment>/<file>``: a file that experiment's run writes into its run dir (RLKV's gates in its
+    metrics.json): the dry run of that experiment, in that dir."""
+    rel = target.relative_to(Path(cfg.local.data_root)).parts
+    _dry_run_upstream(rel[1], Path(cfg.local.data_root) / "runs" / rel[1], cfg)
+    if not target.exists():
+        raise FileNotFoundError(f"dry run: the upstream dry run of {rel[1]} wrote no {'/'.join(rel[2:])}")
+
+
 def _register_model_layouts() -> None:
     from datamodules.common.miniature import LAYOUTS, register_layout
 
-    if "models/reward_model" not in LAYOUTS:
-        register_layout("models/reward_model")(_write_reward_model)
+    for layout, writer in (("models/reward_model", _write_reward_model),
+                           ("checkpoints/*.ckpt", _write_upstream_checkpoint),
+                           ("runs/*/*", _write_upstream_run)):
+        if layout not in LAYOUTS:
+            register_layout(layout)(writer)
 
 
 # --- endpoints --------------------------------------------------------------------------------------------------------

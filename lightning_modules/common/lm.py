@@ -99,6 +99,8 @@ class CausalLMModule(L.LightningModule):
     def compute_loss(self, batch) -> torch.Tensor:
         out = self.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
                          labels=batch["labels"], use_cache=False)
+        if not bool((batch["labels"][:, 1:] != -100).any()):  # no target token (an SFT prompt filling seq_len cut
+            return out.logits.sum() * 0.0                      # the answer off): nothing to learn, where the mean is NaN
         return out.loss
 
     def training_step(self, batch, batch_idx):

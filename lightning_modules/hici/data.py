@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
+from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from datamodules.common.cache import cache_root, stable_hash
+from datamodules.common.miniature import concrete, documents, register_layout, write_jsonl
 from datamodules.shards import ShardDataModule
 from datamodules.text import PackedTokens, TextDataModule, tokenizer_fingerprint
 
@@ -202,8 +205,6 @@ class LongAlpacaDataModule(TextDataModule):
         self.template, self.pad_multiple = template, pad_multiple
 
     def records(self) -> list[dict]:
-        import json
-
         from datamodules.common.loaders import iter_jsonl
         from datamodules.common.shards import _expand
 
@@ -242,3 +243,44 @@ class LongAlpacaDataModule(TextDataModule):
 
     def _eval_loader(self, dataset):
         return self._collate(super()._eval_loader(dataset))
+
+
+# --- debug=dryrun miniatures (datamodules/common/miniature.py) ----------------------------------------------------------
+@register_layout("longalpaca/*.json")
+def write_long_alpaca(target: Path, cfg) -> None:
+    """LongAlpaca-12k: one JSON list of {instruction, output}; a document with a question, a short answer. Half the
+    documents are longer than a dry run's sequences (their answers are cut off, as over-long records are)."""
+    docs = documents(n=15, min_chars=3000, seed=11) + [d[:500] for d in documents(n=15, min_chars=500, seed=13)]
+    records = [{"instruction": f"{doc}\n\nWhat is the text above about? Answer in one sentence.",
+                "output": doc.split(".")[0].strip()[:200] + "."} for doc in docs]
+    concrete(target, "LongAlpaca-12k").write_text(json.dumps(records, ensure_ascii=False), encoding="utf-8")
+
+
+@register_layout("longbench/data")
+@register_layout("longbench/config")
+def write_longbench(target: Path, cfg) -> None:
+    """LongBench v1 as released: ``data/<task>.jsonl`` ({input, context, answers, all_classes, length, dataset,
+    language, _id}) and ``config/dataset2{prompt,maxlen}.json``; both written together (one writer per root)."""
+    from lightning_modules.hici.longbench import METRICS
+
+    root = target.parent
+    (root / "data").mkdir(parents=True, exist_ok=True)
+    (root / "config").mkdir(parents=True, exist_ok=True)
+    docs = documents(n=8, min_chars=3000, seed=12)
+    prompts, budgets = {}, {}
+    for task, metric in METRICS.items():
+        classes = ["Description", "Entity", "Location"] if metric == "classification" else None
+        rows = []
+        for i, doc in enumerate(docs[:4]):
+            first = doc.split(".")[0].strip()
+            answer = {"retrieval": f"Paragraph {i + 1}", "count": str(i + 1), "code_sim": "return x"}.get(metric, first)
+            if classes:
+                answer = classes[i % 3]
+            rows.append({"input": "What does the text begin with?", "context": doc, "answers": [answer],
+                         "all_classes": classes, "length": len(doc.split()), "dataset": task, "language": "en",
+                         "_id": f"{task}-{i}"})
+        write_jsonl(root / "data" / f"{task}.jsonl", rows)
+        prompts[task] = "Read the text and answer the question.\n\n{context}\n\nQuestion: {input}\nAnswer:"
+        budgets[task] = 16
+    (root / "config" / "dataset2prompt.json").write_text(json.dumps(prompts, indent=1), encoding="utf-8")
+    (root / "config" / "dataset2maxlen.json").write_text(json.dumps(budgets, indent=1), encoding="utf-8")
