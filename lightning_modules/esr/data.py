@@ -260,3 +260,13 @@ def write_labels(target: Path, cfg) -> None:
     """Latent labels as the release's csv (``index_in_sae``, ``label``)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text("index_in_sae,label\n" + "".join(f"{i},miniature feature {i}\n" for i in range(MINIATURE_D_SAE)))
+
+
+@register_layout("esr/self_corrections.jsonl")
+def write_self_corrections(target: Path, cfg) -> None:
+    """The fine-tune's examples as the experiment reads them ({prompt, distractor, response}), half of them
+    self-corrections (a distractor, an acknowledgement, the answer)."""
+    from datamodules.common.miniature import write_jsonl
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_jsonl(target, self_corrections(40, 0.5, seed=3))
