@@ -8,6 +8,12 @@ own) acted on a gradient 16 times smaller than the recipe's in ``hici_llama7b`` 
 Here the engine no longer rescales; the paper-scale DeepSpeed trainers (``conf/trainer/deepspeed_zero*.yaml``) and
 the CPU strategy of tests and dry runs (``callbacks/deepspeed_cpu.py``) use it. Manual optimisation takes no
 Lightning accumulation, so nothing changes there.
+
+Lightning also clears every module's hooks before it builds the engine of a test / validate loop (to drop the
+training engine's ZeRO-3 hooks). transformers installs its output-capturing hooks once per model and marks it
+(``_output_capturing_hooks_installed``), so after the clearing a model returned no hidden states: LLaVA's image
+features index them and ``real_vqa_llava15_7b`` stopped at its first test batch (``tuple index out of range``).
+Here the marks are cleared with the hooks, and transformers installs them again at the next forward.
 """
 from __future__ import annotations
 
@@ -18,3 +24,9 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy):
     def backward(self, closure_loss, optimizer, *args, **kwargs):
         kwargs.setdefault("scale_wrt_gas", False)  # Lightning's closure already divided by the accumulation steps
         return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _initialize_deepspeed_inference(self, model) -> None:
+        super()._initialize_deepspeed_inference(model)
+        for module in model.modules():  # Lightning removed transformers' capturing hooks: let them be installed again
+            if getattr(module, "_output_capturing_hooks_installed", False):
+                module._output_capturing_hooks_installed = False

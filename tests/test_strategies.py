@@ -89,3 +89,43 @@ def test_two_process_strategy_trains_and_checkpoints(name, tmp_path, request):
     for k, v in exported.items():
         assert v.shape == weights[k].shape, k
         torch.testing.assert_close(v.float(), weights[k].float(), msg=k)
+
+
+def _hidden_states_in_a_deepspeed_test_loop(rank: int, port: int, out) -> None:
+    import lightning as L
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from callbacks.deepspeed_cpu import CPUDeepSpeedStrategy
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DS_ACCELERATOR="cpu")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    ids = torch.randint(0, 97, (1, 8))
+    out["before"] = len(model(ids, output_hidden_states=True).hidden_states)  # hooks installed, as in a fit
+
+    class Probe(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def test_step(self, batch, batch_idx):
+            out["test"] = len(self.model(batch, output_hidden_states=True).hidden_states)
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=CPUDeepSpeedStrategy(stage=2), precision="32-true",
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.test(Probe(), dataloaders=torch.utils.data.DataLoader([ids[0]], batch_size=1))
+
+
+def test_a_deepspeed_test_loop_keeps_transformers_hidden_states():
+    """Lightning clears every module's hooks before a DeepSpeed test engine; transformers' output-capturing hooks
+    are installed once per model, so without ``callbacks.deepspeed_strategy`` putting them back a model returned no
+    hidden states (LLaVA's image features then raised at real_vqa_llava15_7b's first test batch)."""
+    import torch.multiprocessing as mp
+
+    from tests.test_rl_ranks import _free_port
+
+    out = mp.Manager().dict()
+    mp.spawn(_hidden_states_in_a_deepspeed_test_loop, args=(_free_port(), out), nprocs=1, join=True)
+    assert out["before"] == 3 and out["test"] == 3  # the embeddings and each of the 2 layers
