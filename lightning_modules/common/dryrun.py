@@ -47,7 +47,7 @@ SIZE_CAPS = {
     "num_workers": 0,
     # long-context evaluation (HiCI / LongLoRA): lists of lengths are capped element-wise
     "ppl_lengths": 256, "passkey_max_length": 512, "passkey_interval": 256, "passkey_samples": 2,
-    "longbench_max_length": 512,
+    "longbench_max_length": 512, "test_min_tokens": 256, "test_max_tokens": 256,
 }
 MIN_FRACTION = 0.2  # data.{val,test}_fraction below this hold no document of a miniature corpus
 _SKIP = ("hydra", "paper", "backbone", "local", "dryrun", "dryrun_overrides", "paths")

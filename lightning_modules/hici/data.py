@@ -284,3 +284,19 @@ def write_longbench(target: Path, cfg) -> None:
         budgets[task] = 16
     (root / "config" / "dataset2prompt.json").write_text(json.dumps(prompts, indent=1), encoding="utf-8")
     (root / "config" / "dataset2maxlen.json").write_text(json.dumps(budgets, indent=1), encoding="utf-8")
+
+
+@register_layout("longeval/topics/*_topics.jsonl")
+def write_topics(target: Path, cfg) -> None:
+    """LongEval's topic test cases, ``<n>_topics.jsonl`` for n = 2 and 3: {prompt, topics}, a conversation over n
+    topics that ends in the question for the first."""
+    docs = documents(n=6, min_chars=400, seed=14)
+    names = ["the river trip", "the old library", "a chess match", "the harvest", "a night train", "the lighthouse"]
+    for n in (2, 3):
+        rows = []
+        for i in range(4):
+            topics = [names[(i + k) % len(names)] for k in range(n)]
+            turns = "".join(f"USER: Let us talk about {t}. {docs[(i + k) % len(docs)][:300]}\nASSISTANT: Sure.\n"
+                            for k, t in enumerate(topics))
+            rows.append({"prompt": turns + "USER: What was the first topic we discussed?\nASSISTANT:", "topics": topics})
+        write_jsonl(concrete(target, str(n)), rows)
