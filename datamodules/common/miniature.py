@@ -245,3 +245,43 @@ def write_openorca(target: Path, cfg) -> None:
 def write_prompts(target: Path, cfg) -> None:
     """Prompts without answers (HH-RLHF / UltraFeedback style): ``prompt``."""
     write_jsonl(concrete(target, "train"), [{"prompt": p["question"]} for p in _word_problems(N_RECORDS, _seed(target))])
+
+
+# --- lm-eval suites -------------------------------------------------------------------------------------------------
+HARNESS_TASK = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    validation: {validation}
+    test: {test}
+validation_split: validation
+test_split: test
+fewshot_split: validation
+output_type: multiple_choice
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_target: label
+doc_to_choice: choices
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+"""
+
+
+@register_layout("lm_eval_tasks")
+def write_harness_tasks(target: Path, cfg) -> None:
+    """One lm-eval task yaml per name in ``model.tasks`` over local jsonl files (validation for few-shot examples,
+    test): four-way multiple choice on word problems. The harness's own definitions of these tasks read the hub, so
+    a dry run runs the suite's code path (the harness, its batching, the metrics and the average) on these."""
+    target.mkdir(parents=True, exist_ok=True)
+    for k, name in enumerate(cfg.model.tasks):
+        rows = []
+        for i, p in enumerate(_word_problems(16, 20 + k)):
+            gold = p["solution"].rsplit("#### ", 1)[-1].strip()
+            choices = [gold, str(int(gold) + 1) if gold.lstrip("-").isdigit() else gold + "1", "seven", "none"]
+            rng = random.Random(i)
+            rng.shuffle(choices)
+            rows.append({"question": p["question"], "choices": choices, "label": choices.index(gold)})
+        write_jsonl(target / f"{name}.validation.jsonl", rows[:8])  # enough for 5-shot MMLU
+        write_jsonl(target / f"{name}.test.jsonl", rows[8:])
+        (target / f"{name}.yaml").write_text(HARNESS_TASK.format(name=name, validation=target / f"{name}.validation.jsonl",
+                                                                 test=target / f"{name}.test.jsonl"), encoding="utf-8")

@@ -12,7 +12,8 @@
   the data root (a local copy of OLMoE, an earlier run's export), becomes its stand-in too.
 - **data**: ``local.data_root`` moves to ``<run dir>/dryrun_data`` and every path the config reads under it is
   written there in its dataset's layout (``datamodules/common/miniature.py``; a path no layout claims fails in
-  one line).
+  one line). An input that is an earlier experiment's output (a checkpoint, a run's metrics.json) is made by that
+  experiment's own dry run first. An lm-eval suite evaluates same-named local tasks (the harness reads the hub).
 - **endpoints**: every ``local.endpoints.*`` entry, judge ``base_url`` and endpoint ``url`` points at a stand-in
   server on the loopback address (``lightning_modules/common/endpoint_standin.py``), with a dummy key in each
   key variable that is not set.
@@ -83,6 +84,7 @@ def prepare(cfg: DictConfig) -> dict:
         note("hub ids", _hub_ids(cfg, original, root))
         note("sizes", _sizes(cfg, int(opts.steps)))
         note("overrides", _overrides(cfg))
+        note("lm-eval", _harness_tasks(cfg, root))
         note("data root", _data(cfg, root))
         note("endpoints", _endpoints(cfg, root))
         note("strategy", _strategy(cfg, int(opts.processes)))
@@ -241,6 +243,12 @@ def _hub_ids(cfg: DictConfig, original: str | None, root: Path) -> str:
 
     changed = []
     for path, parent, key in list(_top_level(cfg)):
+        if key == "tokenizer" and path == "model.tokenizer" and _is_hub_id(parent._get_node(key)._value()):
+            raw = parent[key]  # a zero-shot suite's tokenizer id: the twin's own (its vocabulary), else the family's
+            twin = cfg.backbone.get("pretrained") if isinstance(cfg.get("backbone"), DictConfig) else None
+            parent[key] = twin if twin and Path(str(twin)).is_dir() else str(family_tokenizer_dir(*flavour_of(raw)))
+            changed.append(f"{path} {raw}")
+            continue
         if key != "pretrained":
             continue
         raw = _model_id(parent, key, root)
@@ -323,6 +331,17 @@ def _overrides(cfg: DictConfig) -> str:
 
 
 # --- data -------------------------------------------------------------------------------------------------------------
+def _harness_tasks(cfg: DictConfig, root: Path) -> str:
+    """An lm-eval suite (``ZeroShotEvalModule``) reads its tasks' datasets from the hub through the harness's own task
+    definitions: a dry run evaluates same-named multiple-choice tasks over miniature local files instead
+    (``datamodules/common/miniature.write_harness_tasks``), the harness's registry off."""
+    model = cfg.get("model")
+    if not isinstance(model, DictConfig) or not str(model.get("_target_", "")).endswith("ZeroShotEvalModule"):
+        return ""
+    model.include_path, model.include_defaults, model.datasets_cache = str(root / "lm_eval_tasks"), False, None
+    return f"{', '.join(model.tasks)} -> same-named local multiple-choice stand-ins under {root / 'lm_eval_tasks'}"
+
+
 def _data(cfg: DictConfig, root: Path) -> str:
     """Every path under ``local.data_root`` the config reads -> its miniature; ``???`` file keys -> one line."""
     from datamodules.common.miniature import write_miniature
@@ -338,8 +357,8 @@ def _data(cfg: DictConfig, root: Path) -> str:
     for path, parent, key in list(_top_level(cfg)):
         node = parent._get_node(key)
         raw = node._value()
-        if not (isinstance(raw, str) and "local.data_root" in raw):
-            continue
+        if not (isinstance(raw, str) and ("local.data_root" in raw or raw.startswith(str(root)))):
+            continue  # a path the config reads under the data root (or one this preparation put there)
         value = parent[key]
         if isinstance(value, str) and value.startswith(str(root)):
             paths.setdefault(value, path)
