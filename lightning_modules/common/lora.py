@@ -33,7 +33,18 @@ def apply_lora(model: torch.nn.Module, r: int = 8, alpha: float = 16, dropout: f
     chosen = list(targets) if within is None else [n for n in names if n.split(".")[-1] in targets]
     cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=chosen, bias="none",
                      task_type=task_type)
-    model = get_peft_model(model, cfg)
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    from callbacks.deepspeed_hf import unpartitioned
+
+    # Built inside ZeRO-3's zero.Init (Lightning's configure_model), the adapters were partitioned at creation and peft's
+    # cast to the base layer's dtype left them empty (a `vec (0)` matmul at hici_qwen3_8b's first step): they are built
+    # whole, as peft + ZeRO-3 elsewhere do, and the engine partitions them with every other plain parameter. ZeRO-3
+    # wants one dtype over the trainable weights (it keeps their fp32 masters itself): the adapters stay at the base
+    # layer's, instead of peft's fp32 upcast.
+    zero3 = is_deepspeed_zero3_enabled()
+    with unpartitioned():
+        model = get_peft_model(model, cfg, autocast_adapter_dtype=not zero3)
     for name, p in model.named_parameters():
         if any(t in name for t in trainable):
             p.requires_grad_(True)
