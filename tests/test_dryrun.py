@@ -2,7 +2,8 @@
 
 Default suite: the config rewrite on a composed paper-scale config (twin, data root and its miniatures, strategy,
 sizes), the endpoint stand-in answering each rubric in the form our parsers read, an unknown data path failing
-in one line, and one paper-scale experiment dry-run in-process on one process.
+in one line, one paper-scale experiment dry-run in-process, and one of every other paper on one CPU process
+(``PER_PAPER``, a subprocess each, ~10-40 s each with the tiny models built).
 ``-m dryrun``: every paper-scale experiment as a user runs it, ``python run.py experiment=<name> debug=dryrun``
 (2 CPU processes where the strategy is distributed), one subprocess each (~1-3 min each on 2 cores).
 """
@@ -138,12 +139,41 @@ def test_a_paper_scale_experiment_dry_runs_in_process(tmp_path):
     assert metrics["final"]["val/loss"] > 0 and metrics["parameters"]["params/total"] < 1e6
 
 
+# The default suite's dry runs: one paper-scale experiment of each paper (and of the core), the cheapest of its paper,
+# as a user runs it but on one CPU process; each in a subprocess, so DeepSpeed and process groups stay out of this one.
+# llr's is the in-process test above.
+PER_PAPER = {
+    "core": "lm_llama7b", "curvature": "curvature_pythia_2p8b", "dllmquant": "gptq_llada_8b",
+    "error_law": "error_law_deepseek_r1", "esr": "esr_gemma2_2b", "growth": "growth_olmoe_depth",
+    "hici": "hici_llama13b", "hista": "sveb_qwen25_3b", "infolaw": "infolaw_llama_60m",
+    "instemb": "instemb_inbedder_llama3_8b", "manifoldkv": "manifoldkv_qwen3_8b",
+    "mdlm_masks": "mdlm_masks_eval_llada_8b", "ps_ppo": "ps_ppo_rlhf_qwen25_7b", "qat_law": "qat_law_llama_74m",
+    "real_vqa": "real_vqa_llava15_7b", "rlkv": "rlkv_qwen3_4b_thinking", "spard": "spard_qwen25_7b_obqa",
+    "subspace_path": "subspace_path_qwen25_14b", "watersic": "gptq_llama32_1b",
+}
+
+
+def test_every_paper_has_a_dry_run_in_the_default_suite():
+    papers = {str(compose(e).paper.name) for e in paper_scale_experiments()}
+    assert papers == set(PER_PAPER) | {"llr"}
+    assert all(str(compose(e).paper.name) == p for p, e in PER_PAPER.items())
+
+
+@pytest.mark.parametrize("paper", sorted(PER_PAPER))
+def test_each_paper_dry_runs(paper, tmp_path):
+    _dry_run(PER_PAPER[paper], tmp_path, "dryrun.processes=1")
+
+
 @pytest.mark.dryrun
 @pytest.mark.parametrize("experiment", paper_scale_experiments())
 def test_experiment_dry_runs(experiment, tmp_path):
+    _dry_run(experiment, tmp_path)
+
+
+def _dry_run(experiment: str, tmp_path, *overrides: str) -> None:
     run_dir = tmp_path / experiment
     env = dict(os.environ, OMP_NUM_THREADS="1", HYDRA_FULL_ERROR="1")
-    proc = subprocess.run([sys.executable, "run.py", f"experiment={experiment}", "debug=dryrun",
+    proc = subprocess.run([sys.executable, "run.py", f"experiment={experiment}", "debug=dryrun", *overrides,
                            f"hydra.run.dir={run_dir}", "callbacks.progress_bar=null"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

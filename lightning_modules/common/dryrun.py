@@ -44,7 +44,7 @@ SIZE_CAPS = {
     "max_new_tokens": 16, "val_max_new_tokens": 16, "answer_tokens": 16,
     "min_interval": 4,  # Hista / SVEB: a state every 4 of the 16 generated tokens
     "n_calib": 4, "max_val_sequences": 4, "max_windows": 4, "max_documents": 8, "test_documents": 2,
-    "samples_per_task": 2,
+    "samples_per_task": 2, "n_test": 8,  # at most 8 test items generated or read (one test batch runs)
     "num_workers": 0,
     # long-context evaluation (HiCI / LongLoRA): lists of lengths are capped element-wise
     "ppl_lengths": 256, "passkey_max_length": 512, "passkey_interval": 256, "passkey_samples": 2,
