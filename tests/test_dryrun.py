@@ -141,14 +141,15 @@ def test_a_paper_scale_experiment_dry_runs_in_process(tmp_path):
 
 # The default suite's dry runs: one paper-scale experiment of each paper (and of the core), the cheapest of its paper,
 # as a user runs it but on one CPU process; each in a subprocess, so DeepSpeed and process groups stay out of this one.
-# llr's is the in-process test above.
+# llr's is the in-process test above. HiCI's SFT stage and RLKV's evaluation dry-run their upstream run first (its
+# checkpoint converted to one file; its gates).
 PER_PAPER = {
     "core": "lm_llama7b", "curvature": "curvature_pythia_2p8b", "dllmquant": "gptq_llada_8b",
     "error_law": "error_law_deepseek_r1", "esr": "esr_gemma2_2b", "growth": "growth_olmoe_depth",
-    "hici": "hici_llama13b", "hista": "sveb_qwen25_3b", "infolaw": "infolaw_llama_60m",
+    "hici": "hici_llama7b_sft", "hista": "sveb_qwen25_3b", "infolaw": "infolaw_llama_60m",
     "instemb": "instemb_inbedder_llama3_8b", "manifoldkv": "manifoldkv_qwen3_8b",
     "mdlm_masks": "mdlm_masks_eval_llada_8b", "ps_ppo": "ps_ppo_rlhf_qwen25_7b", "qat_law": "qat_law_llama_74m",
-    "real_vqa": "real_vqa_llava15_7b", "rlkv": "rlkv_qwen3_4b_thinking", "spard": "spard_qwen25_7b_obqa",
+    "real_vqa": "real_vqa_llava15_7b", "rlkv": "rlkv_eval_qwen3_4b_thinking", "spard": "spard_qwen25_7b_obqa",
     "subspace_path": "subspace_path_qwen25_14b", "watersic": "gptq_llama32_1b",
 }
 
