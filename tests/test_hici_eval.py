@@ -188,6 +188,24 @@ def test_sft_data_masks_the_prompt_and_pads_to_the_multiple(tiny_tokenizer, tmp_
         LongAlpacaDataModule(tiny_tokenizer, files="x", template="no field")
 
 
+def test_sft_records_are_tokenized_as_the_release_does():
+    """fine-tune_hici_sft.py formats an instruction as ``[INST]{instruction}[/INST]`` and tokenizes it with the
+    tokenizer's own special tokens (Llama-2: BOS first); the answer follows with EOS; BOS and prompt carry no loss."""
+    from transformers import AutoTokenizer
+
+    from datamodules.common.family_tokenizers import family_tokenizer_dir, flavour_of
+    from lightning_modules.hici.data import InstructionPairs
+
+    tok = AutoTokenizer.from_pretrained(family_tokenizer_dir(*flavour_of("meta-llama/Llama-2-7b-hf")))
+    pairs = InstructionPairs([{"instruction": "Summarize the book.", "output": "A long tale."}], tok,
+                             "[INST]{instruction}[/INST]", 512)
+    plain = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompt = [tok.bos_token_id] + plain("[INST]Summarize the book.[/INST]")
+    item = pairs[0]
+    assert item["input_ids"].tolist() == prompt + plain("A long tale.") + [tok.eos_token_id]
+    assert (item["labels"][:len(prompt)] == -100).all() and (item["labels"][len(prompt):] >= 0).all()
+
+
 def test_an_sft_batch_whose_answers_are_cut_off_trains_nothing_instead_of_nan(tiny_tokenizer):
     """A record whose prompt fills seq_len keeps no answer token (truncated at the end, as the release does): with
     batch size 1 the micro-batch has no target and the token mean is 0/0. It must give loss 0 and zero gradients
@@ -196,7 +214,7 @@ def test_an_sft_batch_whose_answers_are_cut_off_trains_nothing_instead_of_nan(ti
     from lightning_modules.hici.module import HiCILongContextLM
 
     recs = [{"instruction": "long " * 80, "output": "cut"}, {"instruction": "q", "output": "a"}]
-    pairs = InstructionPairs(recs, tiny_tokenizer, "[INST] {instruction} [/INST]", 32)
+    pairs = InstructionPairs(recs, tiny_tokenizer, "[INST]{instruction}[/INST]", 32)
     empty, full = (pad_collate([pairs[i]], pad_id=0, multiple=16) for i in (0, 1))
     assert (empty["labels"] == -100).all() and (full["labels"] != -100).any()
     spec = {"family": "llama", "config": dict(vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64,

@@ -170,7 +170,8 @@ class InstructionPairs(Dataset):
 
     def __getitem__(self, i):
         r = self.records[i]
-        prompt = self.tokenizer(self.template.format_map(r), add_special_tokens=False)["input_ids"]
+        # the tokenizer's own special tokens on the prompt (Llama-2: BOS), as the release's SFT script tokenizes it
+        prompt = self.tokenizer(self.template.format_map(r))["input_ids"]
         answer = self.tokenizer(r["output"], add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
         ids = torch.tensor((prompt + answer)[: self.seq_len])
         labels = ids.clone()
@@ -195,7 +196,7 @@ class LongAlpacaDataModule(TextDataModule):
     (``{instruction}`` and any other record field), truncated to ``seq_len``, padded per batch to ``pad_multiple``.
     Records are split train/val/test by a hash of their instruction; loaders and the resumable order as ``TextDataModule``."""
 
-    def __init__(self, tokenizer, files, template: str = "[INST] {instruction} [/INST]", seq_len: int = 16384,
+    def __init__(self, tokenizer, files, template: str = "[INST]{instruction}[/INST]", seq_len: int = 16384,
                  pad_multiple: int = 64, **kw):
         kw.setdefault("val_fraction", 0.01)
         kw.setdefault("test_fraction", 0.01)
