@@ -354,7 +354,9 @@ def _data(cfg: DictConfig, root: Path) -> str:
                 raise ValueError(f"data.{key} is ??? in this experiment: the dry run writes miniatures where the "
                                  f"config points; set data.{key}=${{local.data_root}}/<dataset>/... in the experiment")
     paths = {}
-    for path, parent, key in list(_top_level(cfg)):
+    top = [(str(k), cfg, k) for k in cfg.keys()  # top-level paths (RLKV evaluation's rlkv_gates)
+           if k not in _SKIP and not isinstance(cfg._get_node(k), (DictConfig, ListConfig))]
+    for path, parent, key in top + list(_top_level(cfg)):
         node = parent._get_node(key)
         raw = node._value()
         if not (isinstance(raw, str) and ("local.data_root" in raw or raw.startswith(str(root)))):
