@@ -230,9 +230,16 @@ def _walk(node, path: str = ""):
 
 
 def _top_level(cfg: DictConfig):
+    """Every leaf of the run's own config (a top-level value too: RLKV evaluation's ``rlkv_gates``), not Hydra's,
+    the header's or the machine's."""
     for key in cfg.keys():
-        if key not in _SKIP and isinstance(cfg._get_node(key), (DictConfig, ListConfig)):
-            yield from _walk(cfg._get_node(key), str(key))
+        if key in _SKIP:
+            continue
+        node = cfg._get_node(key)
+        if isinstance(node, (DictConfig, ListConfig)):
+            yield from _walk(node, str(key))
+        else:
+            yield str(key), cfg, key
 
 
 def _hub_ids(cfg: DictConfig, original: str | None, root: Path) -> str:
@@ -243,7 +250,7 @@ def _hub_ids(cfg: DictConfig, original: str | None, root: Path) -> str:
 
     changed = []
     for path, parent, key in list(_top_level(cfg)):
-        if key == "tokenizer" and path == "model.tokenizer" and _is_hub_id(parent._get_node(key)._value()):
+        if path == "model.tokenizer" and _is_hub_id(parent._get_node(key)._value()):
             raw = parent[key]  # a zero-shot suite's tokenizer id: the twin's own (its vocabulary), else the family's
             twin = cfg.backbone.get("pretrained") if isinstance(cfg.get("backbone"), DictConfig) else None
             parent[key] = twin if twin and Path(str(twin)).is_dir() else str(family_tokenizer_dir(*flavour_of(raw)))
@@ -354,9 +361,7 @@ def _data(cfg: DictConfig, root: Path) -> str:
                 raise ValueError(f"data.{key} is ??? in this experiment: the dry run writes miniatures where the "
                                  f"config points; set data.{key}=${{local.data_root}}/<dataset>/... in the experiment")
     paths = {}
-    top = [(str(k), cfg, k) for k in cfg.keys()  # top-level paths (RLKV evaluation's rlkv_gates)
-           if k not in _SKIP and not isinstance(cfg._get_node(k), (DictConfig, ListConfig))]
-    for path, parent, key in top + list(_top_level(cfg)):
+    for path, parent, key in list(_top_level(cfg)):
         node = parent._get_node(key)
         raw = node._value()
         if not (isinstance(raw, str) and ("local.data_root" in raw or raw.startswith(str(root)))):

@@ -97,11 +97,13 @@ class CausalLMModule(L.LightningModule):
 
     # --- loss ------------------------------------------------------------------------------------
     def compute_loss(self, batch) -> torch.Tensor:
-        out = self.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                         labels=batch["labels"], use_cache=False)
-        if not bool((batch["labels"][:, 1:] != -100).any()):  # no target token (an SFT prompt filling seq_len cut
-            return out.logits.sum() * 0.0                      # the answer off): nothing to learn, where the mean is NaN
-        return out.loss
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                            use_cache=False).logits
+        # transformers' own loss, its sum over the batch's target count floored at 1: a batch with no target (an SFT
+        # prompt filling seq_len cut the answer off) gives 0 with zero gradients, not NaN, and no host sync per step
+        labels = batch["labels"]
+        targets = (labels[:, 1:] != -100).sum().clamp_min(1)
+        return self.model.loss_function(logits, labels, vocab_size=logits.shape[-1], num_items_in_batch=targets)
 
     def training_step(self, batch, batch_idx):
         loss = self.compute_loss(batch)

@@ -340,8 +340,7 @@ def helper_models(model_cfg: Mapping[str, Any]) -> tuple[float, list[str]]:
                     with torch.device("meta"):
                         helper = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(str(where)))
                     n = sum(p.numel() for p in helper.parameters())
-                    size = torch.empty((), dtype=getattr(torch, str(node.get("dtype", "float32")))).element_size()
-                    total += n * size
+                    total += n * getattr(torch, str(node.get("dtype", "float32"))).itemsize
                     notes.append(f"{path}: {count_text(n)} parameters at {node.get('dtype', 'float32')}, whole on every GPU")
             for k, v in node.items():
                 walk(v, f"{path}.{k}")
